@@ -1,0 +1,12 @@
+"""eagle-harness: the control plane that drives EAGLE-3 draft training on remote GPU hosts.
+
+Everything here runs on the workstation and never imports torch; the code that runs on a host lives
+in the sibling ``remote`` tree and is shipped there (see ``harness.connection.HostConnection.run_script``).
+"""
+from pathlib import Path
+
+#: The repository root: templates/, patches/ and remote/ are found relative to it.
+ROOT = Path(__file__).resolve().parent.parent
+REMOTE_DIR = ROOT / "remote"
+TEMPLATES_DIR = ROOT / "templates"
+PATCHES_DIR = ROOT / "patches"

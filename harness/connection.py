@@ -1,0 +1,536 @@
+"""Connections to hosts: one verified SSH session (or this machine, for ``transport: local``) per host.
+
+Why not plain ``fabric.Connection().run()``: Fabric auto-adds unknown host keys, and Invoke feeds a
+command's stdin about one byte per 10 ms. So the Fabric Connection here is built with paramiko's
+``RejectPolicy`` and the inventory's known_hosts / pinned key, and commands are run on a raw paramiko
+channel whose stdin is written in one ``sendall`` — a whole script reaches the host in one round trip.
+
+``HostConnection`` gives the same small API for both transports:
+
+* ``exec(cmd, stdin=None)`` — one shell command, one round trip, ``ExecResult(rc, stdout, stderr)``;
+* ``run_script(entry, spec, modules=())`` — ship ``remote/<entry>.py`` (plus helper modules) and a JSON
+  spec over stdin to the host's python, call ``main(spec)`` there, return its dict;
+* ``put(local, remote)``, ``ssh_argv()`` (for rsync ``-e``), ``close()``.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import fabric
+import paramiko
+
+from harness import REMOTE_DIR
+from harness.errors import HarnessError, HostKeyError, HostUnreachable
+from harness.inventory import HostSpec, Inventory, expand_local
+
+CONNECT_TIMEOUT = 10
+KEEPALIVE_SECONDS = 15
+
+# Reads {"modules": {name: source}, "entry": name, "spec": {...}} from stdin, installs the modules so
+# they can import each other, calls entry.main(spec) and prints its result as JSON on stdout.
+_BOOTSTRAP = r'''
+import json, sys, types, traceback
+d = json.loads(sys.stdin.buffer.read())
+for name, src in d["modules"].items():
+    m = types.ModuleType(name); m.__file__ = "<remote/%s.py>" % name
+    sys.modules[name] = m
+for name, src in d["modules"].items():
+    exec(compile(src, "remote/%s.py" % name, "exec"), sys.modules[name].__dict__)
+out = sys.stdout; sys.stdout = sys.stderr
+try:
+    r = {"ok": True, "result": sys.modules[d["entry"]].main(d["spec"])}
+except SystemExit as e:
+    r = {"ok": False, "error": str(e.code) if not isinstance(e.code, int) else "exit %d" % e.code}
+except BaseException as e:
+    r = {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()}
+out.write(json.dumps(r)); out.flush()
+'''
+
+
+@dataclass
+class ExecResult:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+
+def shell_path(path: str) -> str:
+    """Quote a host path for the shell while keeping a leading ``~/`` expandable (as ``"$HOME"/...``)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH-style ``SHA256:...`` fingerprint of a public key."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def known_hosts_name(address: str, port: int) -> str:
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+class _RejectAndRemember(paramiko.MissingHostKeyPolicy):
+    """Refuse an unknown host key, keeping it so the error (and ``hosts.trust``) can show it."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[str, paramiko.PKey] | None = None
+
+    def missing_host_key(self, client, hostname, key):
+        self.seen = (hostname, key)
+        raise paramiko.SSHException(f"unknown host key for {hostname}")
+
+
+@dataclass
+class Endpoint:
+    """Where and how to reach a host over SSH, after ~/.ssh/config and the inventory are combined."""
+
+    host: HostSpec
+    hostname: str
+    port: int
+    user: str
+    identity: list[str] = field(default_factory=list)
+    known_hosts: list[Path] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)  # known_hosts lines built from host_key
+    jump: "Endpoint | None" = None
+    proxy_jump: str | None = None  # from ~/.ssh/config, when the inventory names none
+
+
+def _ssh_config_for(alias: str) -> dict:
+    cfg = paramiko.SSHConfig()
+    path = Path("~/.ssh/config").expanduser()
+    if path.is_file():
+        with open(path) as f:
+            cfg.parse(f)
+    return cfg.lookup(alias)
+
+
+def endpoint_for(host: HostSpec, inv: Inventory | None, _depth: int = 0) -> Endpoint:
+    """Resolve a host's address as ssh would (~/.ssh/config aliases), plus key files and jump host."""
+    if _depth > 4:
+        raise HarnessError(f"host {host.name}: jump host chain too long (a loop in 'jump'?)")
+    base = Path(inv.source).parent if inv and inv.source else None
+    sc = _ssh_config_for(host.address or host.name)
+    hostname = sc.get("hostname", host.address)
+    port = host.port or int(sc.get("port", 22))
+    user = host.user or sc.get("user") or os.environ.get("USER") or "root"
+    identity = [str(expand_local(host.identity, base))] if host.identity else [
+        str(Path(p).expanduser()) for p in sc.get("identityfile", [])]
+    known = [expand_local(host.known_hosts, base)] if host.known_hosts else []
+    for default in sc.get("userknownhostsfile", "~/.ssh/known_hosts").split():
+        p = Path(default).expanduser()
+        if p not in known:
+            known.append(p)
+    pinned = []
+    if host.host_key:
+        parts = host.host_key.split()
+        if not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
+            parts = parts[1:]
+        pinned.append(f"{known_hosts_name(hostname, port)} {parts[0]} {parts[1]}")
+    ep = Endpoint(host=host, hostname=hostname, port=port, user=user, identity=identity,
+                  known_hosts=known, pinned=pinned)
+    if host.jump:
+        if inv and host.jump in inv.hosts:
+            ep.jump = endpoint_for(inv.hosts[host.jump], inv, _depth + 1)
+        else:
+            user_part, _, rest = host.jump.rpartition("@")
+            jhost, _, jport = rest.partition(":")
+            spec = HostSpec(name=host.jump, address=jhost, port=int(jport) if jport else None,
+                            user=user_part or None, identity=host.identity, known_hosts=host.known_hosts)
+            ep.jump = endpoint_for(spec, inv, _depth + 1)
+    elif sc.get("proxyjump"):
+        ep.proxy_jump = sc["proxyjump"]
+    return ep
+
+
+def _host_keys(ep: Endpoint) -> paramiko.HostKeys:
+    keys = paramiko.HostKeys()
+    for p in ep.known_hosts:
+        if p.is_file():
+            try:
+                keys.load(str(p))
+            except (OSError, paramiko.SSHException) as e:
+                raise HarnessError(f"host {ep.host.name}: cannot read known_hosts file {p}: {e}")
+    for line in ep.pinned:
+        entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+        if entry is None:
+            raise HarnessError(f"host {ep.host.name}: host_key is not a valid public key line")
+        for n in entry.hostnames:
+            keys.add(n, entry.key.get_name(), entry.key)
+    return keys
+
+
+def fabric_connection(ep: Endpoint, timeout: float, gateway: "fabric.Connection | None" = None):
+    """A Fabric Connection for ``ep`` that verifies host keys (Fabric's default auto-adds them).
+
+    ~/.ssh/config was already applied by ``endpoint_for``, so Fabric's own ssh_config loading is off.
+    Returns ``(connection, policy)``; the policy remembers an unknown key for the error message.
+    """
+    cfg = fabric.Config(overrides={"load_ssh_configs": False})
+    conn = fabric.Connection(
+        ep.hostname, user=ep.user, port=ep.port, config=cfg, gateway=gateway, connect_timeout=timeout,
+        connect_kwargs={"key_filename": ep.identity or None, "look_for_keys": not ep.identity,
+                        "allow_agent": not ep.identity, "banner_timeout": timeout, "auth_timeout": timeout},
+    )
+    policy = _RejectAndRemember()
+    conn.client.set_missing_host_key_policy(policy)
+    for name, per_type in _host_keys(ep).items():
+        for ktype, key in per_type.items():
+            conn.client.get_host_keys().add(name, ktype, key)
+    return conn, policy
+
+
+def _open(ep: Endpoint, timeout: float, gateway=None):
+    """Open ``ep``'s Fabric connection, turning every failure into one line that names the host."""
+    conn, policy = fabric_connection(ep, timeout, gateway)
+    name = ep.host.name
+    try:
+        conn.open()
+    except paramiko.BadHostKeyException as e:
+        raise HostKeyError(
+            f"host {name}: HOST KEY CHANGED for {known_hosts_name(ep.hostname, ep.port)}: it offered "
+            f"{fingerprint(e.key)} but {fingerprint(e.expected_key)} is recorded; refusing to connect "
+            "(if the host was really reinstalled, remove the old key from known_hosts, then run inv hosts.trust)")
+    except paramiko.AuthenticationException as e:
+        raise HostUnreachable(f"host {name}: authentication failed for user {ep.user} ({e}); check 'user' and 'identity'")
+    except paramiko.SSHException as e:
+        if policy.seen:
+            raise HostKeyError(
+                f"host {name}: unknown host key {fingerprint(policy.seen[1])} for "
+                f"{known_hosts_name(ep.hostname, ep.port)}; verify it, then run: inv hosts.trust --hosts {name}")
+        raise HostUnreachable(f"host {name}: SSH error at {ep.hostname}:{ep.port}: {e}")
+    except (socket.timeout, TimeoutError):
+        raise HostUnreachable(f"host {name}: unreachable: no answer from {ep.hostname}:{ep.port} within {timeout:g}s")
+    except OSError as e:
+        raise HostUnreachable(f"host {name}: unreachable: {ep.hostname}:{ep.port}: {e.strerror or e}")
+    conn.transport.set_keepalive(KEEPALIVE_SECONDS)
+    return conn
+
+
+def _connect_chain(ep: Endpoint, timeout: float):
+    """Open ``ep`` through its jump host (if any); every hop's key is verified. Returns (conn, hops)."""
+    if ep.proxy_jump and ep.jump is None:
+        raise HarnessError(
+            f"host {ep.host.name}: ~/.ssh/config gives ProxyJump {ep.proxy_jump}; name it in the inventory's 'jump' field instead")
+    hops: list = []
+    gateway = None
+    if ep.jump is not None:
+        gateway, jhops = _connect_chain(ep.jump, timeout)
+        hops = jhops + [gateway]
+    try:
+        return _open(ep, timeout, gateway), hops
+    except BaseException:
+        for h in hops:
+            h.close()
+        raise
+
+
+def _pump(chan: paramiko.Channel, stdin: bytes | None,
+          on_stdout: Callable[[str], None] | None, on_stderr: Callable[[str], None] | None,
+          timeout: float | None) -> ExecResult:
+    """Write stdin in one go on a thread, and read both streams until the command exits."""
+    if stdin is not None:
+        def feed():
+            try:
+                chan.sendall(stdin)
+                chan.shutdown_write()
+            except (OSError, EOFError, paramiko.SSHException):
+                pass
+        threading.Thread(target=feed, daemon=True).start()
+    else:
+        chan.shutdown_write()
+    out, err = bytearray(), bytearray()
+    line_buf = {1: bytearray(), 2: bytearray()}
+
+    def emit(kind: int, data: bytes, cb):
+        if cb is None:
+            return
+        buf = line_buf[kind]
+        buf.extend(data)
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            cb(line.decode(errors="replace"))
+
+    deadline = time.monotonic() + timeout if timeout else None
+    chan.settimeout(0.2)
+    while True:
+        got = False
+        if chan.recv_ready():
+            data = chan.recv(65536)
+            out.extend(data); emit(1, data, on_stdout); got = True
+        if chan.recv_stderr_ready():
+            data = chan.recv_stderr(65536)
+            err.extend(data); emit(2, data, on_stderr); got = True
+        if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+            break
+        if chan.closed and not got:
+            break
+        if deadline and time.monotonic() > deadline:
+            chan.close()
+            raise TimeoutError
+        if not got:
+            time.sleep(0.002)
+    rc = chan.recv_exit_status() if chan.exit_status_ready() else -1
+    for kind, cb in ((1, on_stdout), (2, on_stderr)):
+        if cb and line_buf[kind]:
+            cb(bytes(line_buf[kind]).decode(errors="replace"))
+    return ExecResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+class HostConnection:
+    """One host, one session: SSH through a verified paramiko client, or a local shell."""
+
+    def __init__(self, host: HostSpec, inv: Inventory | None = None, timeout: float = CONNECT_TIMEOUT):
+        self.host = host
+        self.inv = inv
+        self.timeout = timeout
+        self.endpoint: Endpoint | None = None
+        self._conn: fabric.Connection | None = None
+        self._hops: list[fabric.Connection] = []
+        #: how many commands (round trips) this connection has run; benchmarks and tests read it
+        self.round_trips = 0
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def open(self) -> "HostConnection":
+        if self.host.is_local or self._conn is not None:
+            return self
+        self.endpoint = endpoint_for(self.host, self.inv)
+        self._conn, self._hops = _connect_chain(self.endpoint, self.timeout)
+        return self
+
+    def close(self) -> None:
+        for c in [self._conn, *reversed(self._hops)]:
+            if c is not None:
+                c.close()
+        self._conn, self._hops = None, []
+
+    def __enter__(self) -> "HostConnection":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def fabric(self) -> fabric.Connection:
+        """The verified Fabric Connection (ssh transport only), for anything beyond this API."""
+        if self.host.is_local:
+            raise HarnessError(f"host {self.name}: transport local has no SSH connection")
+        self.open()
+        assert self._conn is not None
+        return self._conn
+
+    @property
+    def client(self) -> paramiko.SSHClient:
+        return self.fabric.client
+
+    # -- commands ----------------------------------------------------------------------------------
+    def exec(self, cmd: str, stdin: bytes | None = None, timeout: float | None = None,
+             on_stdout: Callable[[str], None] | None = None,
+             on_stderr: Callable[[str], None] | None = None) -> ExecResult:
+        """Run one shell command on the host (``bash -c`` semantics; quote values yourself)."""
+        self.round_trips += 1
+        if self.host.is_local:
+            return self._exec_local(cmd, stdin, timeout, on_stdout, on_stderr)
+        try:
+            chan = self.client.get_transport().open_session(timeout=self.timeout)
+            chan.exec_command(cmd)
+            return _pump(chan, stdin, on_stdout, on_stderr, timeout)
+        except TimeoutError:
+            raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostUnreachable(f"host {self.name}: connection lost: {e or type(e).__name__}")
+
+    def _exec_local(self, cmd, stdin, timeout, on_stdout, on_stderr) -> ExecResult:
+        proc = subprocess.Popen(["bash", "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        if on_stdout is None and on_stderr is None:
+            try:
+                out, err = proc.communicate(stdin, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
+            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+        chunks: dict[int, list[str]] = {1: [], 2: []}
+
+        def reader(stream, kind, cb):
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace")
+                chunks[kind].append(line)
+                if cb:
+                    cb(line.rstrip("\n"))
+
+        threads = [threading.Thread(target=reader, args=(proc.stdout, 1, on_stdout), daemon=True),
+                   threading.Thread(target=reader, args=(proc.stderr, 2, on_stderr), daemon=True)]
+        for t in threads:
+            t.start()
+        if stdin:
+            proc.stdin.write(stdin)
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
+        for t in threads:
+            t.join()
+        return ExecResult(proc.returncode, "".join(chunks[1]), "".join(chunks[2]))
+
+    @property
+    def python(self) -> str:
+        return shell_path(self.host.python)
+
+    def run_script(self, entry: str, spec: dict, modules: Iterable[str] = (), timeout: float | None = None,
+                   remote_dir: Path | None = None) -> dict:
+        """Run ``remote/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip."""
+        root = remote_dir or REMOTE_DIR
+        names = [*modules, entry]
+        payload = {
+            "modules": {n: (root / f"{n}.py").read_text() for n in dict.fromkeys(names)},
+            "entry": entry,
+            "spec": spec,
+        }
+        cmd = f"{self.python} -c {shlex.quote(_BOOTSTRAP)}"
+        res = self.exec(cmd, stdin=json.dumps(payload).encode(), timeout=timeout)
+        try:
+            reply = json.loads(res.stdout)
+        except json.JSONDecodeError:
+            tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            if res.rc == 127 or "No such file" in tail or "not found" in tail:
+                raise HarnessError(
+                    f"host {self.name}: python interpreter {self.host.python!r} not found on the host "
+                    f"({tail}); fix 'python' in the inventory or run inv setup")
+            raise HarnessError(f"host {self.name}: remote/{entry}.py failed (exit {res.rc}): {tail}")
+        if not reply.get("ok"):
+            raise HarnessError(f"host {self.name}: {entry}: {reply.get('error')}")
+        return reply["result"]
+
+    # -- files -------------------------------------------------------------------------------------
+    def put(self, local: str | os.PathLike, remote: str) -> None:
+        """Copy one file to the host (SFTP; a local copy for transport local)."""
+        self.round_trips += 1
+        if self.host.is_local:
+            dst = Path(os.path.expanduser(remote))
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(Path(local).read_bytes())
+            return
+        if remote.startswith("~/"):
+            remote = remote[2:]  # SFTP paths are relative to the login directory
+        self.fabric.put(str(local), remote)
+
+    def ssh_argv(self, known_hosts_file: str | None = None) -> list[str]:
+        """An OpenSSH command line with this host's settings (for ``rsync -e``): same port, key,
+        user, verified host keys (``StrictHostKeyChecking yes``) and jump host.
+
+        ``known_hosts_file`` receives the known_hosts lines of every hop (pinned keys included) so
+        OpenSSH verifies exactly what paramiko verified; callers pass a temp file path.
+        """
+        if self.host.is_local:
+            raise HarnessError(f"host {self.name}: transport local has no ssh command line")
+        ep = self.endpoint or endpoint_for(self.host, self.inv)
+        hops = []
+        e: Endpoint | None = ep
+        while e is not None:
+            hops.append(e)
+            e = e.jump
+        lines = []
+        for hop in hops:
+            for p in hop.known_hosts:
+                if p.is_file():
+                    lines.append(p.read_text())
+            lines.extend(l + "\n" for l in hop.pinned)
+        if known_hosts_file is None:
+            raise HarnessError("ssh_argv needs a known_hosts_file to write the verified keys to")
+        Path(known_hosts_file).write_text("".join(lines))
+        common = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                  "-o", f"UserKnownHostsFile={known_hosts_file}", "-o", "GlobalKnownHostsFile=/dev/null",
+                  "-o", f"ConnectTimeout={int(self.timeout)}", "-o", f"ServerAliveInterval={KEEPALIVE_SECONDS}",
+                  "-F", "/dev/null"]
+        argv = ["ssh", *common]
+        for ident in ep.identity:
+            argv += ["-i", ident, "-o", "IdentitiesOnly=yes"]
+        if ep.jump is not None:
+            # ProxyCommand (rather than -J) so each hop gets its own identity and port.
+            j = ep.jump
+            if j.jump is not None:
+                raise HarnessError(f"host {self.name}: rsync through more than one jump host is not supported; use SFTP")
+            jargv = ["ssh", *common] + [a for i in j.identity for a in ("-i", i)] + [
+                "-p", str(j.port), "-W", "%h:%p", f"{j.user}@{j.hostname}"]
+            argv += ["-o", "ProxyCommand=" + " ".join(shlex.quote(a) for a in jargv)]
+        argv += ["-p", str(ep.port), "-l", ep.user]
+        return argv
+
+    @property
+    def ssh_target(self) -> str:
+        ep = self.endpoint or endpoint_for(self.host, self.inv)
+        return ep.hostname
+
+
+def open_host(host: HostSpec, inv: Inventory | None = None, timeout: float = CONNECT_TIMEOUT) -> HostConnection:
+    """Open a verified connection to ``host`` (raises HostKeyError / HostUnreachable, one line each)."""
+    return HostConnection(host, inv, timeout).open()
+
+
+def scan_host_key(host: HostSpec, inv: Inventory | None = None, timeout: float = CONNECT_TIMEOUT):
+    """The key a host offers, fetched without authenticating (for ``hosts.trust``).
+
+    Returns ``(known_hosts_name, key, status)`` with status ``known``, ``unknown`` or ``changed``.
+    """
+    ep = endpoint_for(host, inv)
+    hops: list = []
+    sock = None
+    if ep.jump is not None:
+        jconn, jhops = _connect_chain(ep.jump, timeout)
+        hops = jhops + [jconn]
+        sock = jconn.transport.open_channel("direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0))
+    try:
+        if sock is None:
+            try:
+                sock = socket.create_connection((ep.hostname, ep.port), timeout=timeout)
+            except OSError as e:
+                raise HostUnreachable(f"host {host.name}: unreachable: {ep.hostname}:{ep.port}: {e.strerror or e}")
+        t = paramiko.Transport(sock)
+        try:
+            known = _host_keys(ep)
+            name = known_hosts_name(ep.hostname, ep.port)
+            recorded = known.lookup(name) or {}
+            if recorded:
+                opts = t.get_security_options()
+                first = list(recorded.keys())[0]
+                opts.key_types = [first] + [k for k in opts.key_types if k != first]
+            t.start_client(timeout=timeout)
+            key = t.get_remote_server_key()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostUnreachable(f"host {host.name}: SSH handshake with {ep.hostname}:{ep.port} failed: {e}")
+        finally:
+            t.close()
+        if key.get_name() in recorded:
+            status = "known" if recorded[key.get_name()] == key else "changed"
+        else:
+            status = "changed" if recorded else "unknown"
+        return name, key, status
+    finally:
+        for h in hops:
+            h.close()

