@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from harness.connection import open_host
@@ -99,7 +100,7 @@ _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 def render(results: dict[str, dict | HostFailure], console: Console) -> None:
     for name, r in results.items():
         if isinstance(r, HostFailure):
-            console.print(f"[bold red]{name}: {r.kind}[/] {r.message}")
+            console.print(f"[bold red]{name}: {r.kind}[/] {escape(r.message)}", soft_wrap=True)
             continue
         s, pk = r["system"], r["packages"]
         t = Table(title=f"{name}  ({s['hostname']}, {s['os']}, kernel {s['kernel']}, python {s['python']})",

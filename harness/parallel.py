@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 from rich.console import Console
 from rich.markup import escape
 
-from harness.errors import HarnessError, HostUnreachable
+from harness.errors import HarnessError, HostKeyError, HostUnreachable
 from harness.inventory import HostSpec
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ DEFAULT_WORKERS = 8
 
 @dataclass
 class HostFailure:
-    """Why a host produced no result: ``unreachable`` (network, auth, host key) or ``error``."""
+    """Why a host produced no result: ``unreachable`` (network, auth), ``host key`` or ``error``."""
 
     host: str
     kind: str
@@ -58,6 +58,8 @@ def on_hosts(hosts: list[HostSpec], fn: Callable[[HostSpec], T], workers: int = 
             return fn(h)
         except HostUnreachable as e:
             return HostFailure(h.name, "unreachable", str(e))
+        except HostKeyError as e:
+            return HostFailure(h.name, "host key", str(e))
         except HarnessError as e:
             return HostFailure(h.name, "error", str(e))
 

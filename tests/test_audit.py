@@ -1,0 +1,216 @@
+"""inv audit over real sshd: one host, several hosts, RECORD drift, host keys, unreachable hosts."""
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from conftest import keygen, run_inv, write_inventory
+from harness import audit
+from harness.connection import HostConnection, open_host
+from harness.errors import HarnessError, HostKeyError
+from harness.inventory import load_inventory
+
+
+def audit_json(inv_path: Path, *extra: str) -> tuple[int, dict, str]:
+    r = run_inv("audit", "--json", "--inventory", str(inv_path), *extra)
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
+
+
+def test_audit_one_host_json(sshd, speculators_env, tmp_path):
+    py = speculators_env("0.3.0")
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py), workdir=str(tmp_path / "wd"))})
+    rc, data, err = audit_json(inv)
+    assert rc == 0, err
+    h = data["hosts"]["gpu1"]
+    assert h["reachable"] is True
+    assert h["packages"]["speculators"] == "0.3.0"
+    assert h["packages"]["torch"] is None  # --no-deps venv: metadata says what is really there
+    assert h["speculators_path"].startswith(str(py.parent.parent))
+    assert h["gpus"] is None  # no nvidia-smi on this machine
+    assert h["record_drift"]["edited"] == [] and h["record_drift"]["checked"] > 20
+    assert h["system"]["python_path"].startswith(str(py.parent.parent))
+    # the bar: at most 2 SSH round trips for one host's audit
+    assert h["round_trips"] <= 2
+    checks = {c["name"]: c["status"] for c in h["checks"]}
+    assert checks["speculators installed"] == "pass"
+    assert checks["torch installed"] == "fail"
+
+
+def test_audit_strict_fails_on_failed_check(sshd, speculators_env, tmp_path):
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(speculators_env("0.3.0")))})
+    r = run_inv("audit", "--strict", "--inventory", str(inv))
+    assert r.returncode == 1
+    assert "gpu1" in r.stderr and "Traceback" not in r.stderr
+    assert "torch installed" in r.stdout  # the table still shows what failed
+
+
+def test_audit_several_hosts_in_parallel(sshd_hosts, tmp_path):
+    hosts = sshd_hosts(3)
+    inv = write_inventory(tmp_path, {h.name: h.entry() for h in hosts})
+    rc, data, err = audit_json(inv)
+    assert rc == 0, err
+    assert set(data["hosts"]) == {"host0", "host1", "host2"}
+    for h in data["hosts"].values():
+        assert h["reachable"] and h["packages"]["torch"]  # the test runner's own python has torch
+        assert h["round_trips"] <= 2
+
+
+def test_record_drift_lists_edited_file(sshd, speculators_env, tmp_path):
+    py = speculators_env("0.3.0", fresh=True)
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py))})
+    rc, data, _ = audit_json(inv)
+    spec_path = Path(data["hosts"]["gpu1"]["speculators_path"])
+    target = spec_path / "data_generation" / "vllm_hidden_states_generator.py"
+    target.write_text(target.read_text().replace("AutoTokenizer.from_pretrained(", "AutoTokenizer.from_pretrained(  ", 1))
+    rc, data, _ = audit_json(inv)
+    drift = data["hosts"]["gpu1"]["record_drift"]
+    assert drift["edited"] == ["speculators/data_generation/vllm_hidden_states_generator.py"]
+    check = next(c for c in data["hosts"]["gpu1"]["checks"] if c["name"] == "speculators files")
+    assert check["status"] == "warn" and "edited after install" in check["detail"]
+
+
+def test_unknown_host_key_refused_then_trusted(sshd, tmp_path):
+    kh = tmp_path / "empty_known_hosts"
+    kh.write_text("")
+    entry = sshd.entry(known_hosts=str(kh))
+    inv = write_inventory(tmp_path, {"gpu1": entry})
+    r = run_inv("audit", "--strict", "--inventory", str(inv))
+    assert r.returncode == 1
+    assert "unknown host key SHA256:" in r.stdout and "inv hosts.trust" in r.stdout
+    assert kh.read_text() == ""  # never auto-added
+    # trust without --yes shows the fingerprint and records nothing
+    r = run_inv("hosts.trust", "--inventory", str(inv))
+    assert r.returncode == 0 and "SHA256:" in r.stdout and "not recorded" in r.stdout
+    assert kh.read_text() == ""
+    r = run_inv("hosts.trust", "--yes", "--inventory", str(inv))
+    assert r.returncode == 0, r.stderr
+    assert kh.read_text().strip() == sshd.known_hosts_line
+    rc, data, err = audit_json(inv)
+    assert rc == 0 and data["hosts"]["gpu1"]["reachable"], err
+    r = run_inv("hosts.trust", "--yes", "--inventory", str(inv))
+    assert "already trusted" in r.stdout
+    assert kh.read_text().count("\n") == 1
+
+
+def test_changed_host_key_refused(sshd_factory, tmp_path):
+    host = sshd_factory("rekeyed")
+    inv_path = write_inventory(tmp_path, {"gpu1": host.entry()})
+    old_line = host.known_hosts_line
+    inv = load_inventory(inv_path)
+    open_host(inv.hosts["gpu1"], inv).close()
+    host.rekey()
+    (host.root / "known_hosts").write_text(old_line + "\n")
+    with pytest.raises(HostKeyError, match="HOST KEY CHANGED"):
+        open_host(inv.hosts["gpu1"], inv)
+    r = run_inv("hosts.trust", "--yes", "--inventory", str(inv_path))
+    assert r.returncode != 0 and "HOST KEY CHANGED" in r.stderr and "Traceback" not in r.stderr
+    assert (host.root / "known_hosts").read_text() == old_line + "\n"
+
+
+def test_pinned_host_key(sshd, tmp_path):
+    empty = tmp_path / "kh"
+    empty.write_text("")
+    inv_path = write_inventory(tmp_path, {"gpu1": sshd.entry(known_hosts=str(empty), host_key=sshd.host_key)})
+    inv = load_inventory(inv_path)
+    with open_host(inv.hosts["gpu1"], inv) as conn:
+        assert conn.exec("echo pinned").stdout == "pinned\n"
+    # a wrong pin is a changed key
+    other = keygen(tmp_path / "other")
+    inv_path = write_inventory(tmp_path, {"gpu1": sshd.entry(known_hosts=str(empty), host_key=other)})
+    inv = load_inventory(inv_path)
+    with pytest.raises(HostKeyError, match="CHANGED"):
+        open_host(inv.hosts["gpu1"], inv)
+
+
+def test_unreachable_port_reported_and_others_continue(sshd, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    inv = write_inventory(tmp_path, {
+        "dead": {"address": "127.0.0.1", "port": dead_port, "identity": str(sshd.identity),
+                 "known_hosts": str(sshd.write_known_hosts())},
+        "alive": sshd.entry(),
+    })
+    rc, data, err = audit_json(inv)
+    assert rc == 0
+    assert data["hosts"]["dead"]["reachable"] is False
+    assert data["hosts"]["dead"]["error"] == "unreachable"
+    assert str(dead_port) in data["hosts"]["dead"]["message"]
+    assert data["hosts"]["alive"]["reachable"] is True
+    r = run_inv("audit", "--strict", "--inventory", str(inv))
+    assert r.returncode == 1 and "dead" in r.stderr
+
+
+def test_unanswering_host_times_out(tmp_path, user_key):
+    # a listener that accepts TCP but never speaks SSH: reported within the timeout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        inv = load_inventory(write_inventory(tmp_path, {"mute": {
+            "address": "127.0.0.1", "port": s.getsockname()[1], "identity": str(user_key[0])}}))
+        results = audit.run_audit(inv, list(inv.hosts.values()), timeout=2)
+    assert results["mute"].kind == "unreachable"
+
+
+def test_jump_host(sshd_hosts, tmp_path):
+    jump, target = sshd_hosts(2)
+    kh = tmp_path / "kh"
+    kh.write_text(jump.known_hosts_line + "\n" + target.known_hosts_line + "\n")
+    inv_path = write_inventory(tmp_path, {
+        "bastion": jump.entry(known_hosts=str(kh)),
+        "gpu": target.entry(known_hosts=str(kh), jump="bastion"),
+    })
+    inv = load_inventory(inv_path)
+    with open_host(inv.hosts["gpu"], inv) as conn:
+        assert conn._hops, "the connection went through the jump host"
+        assert conn.exec("echo through").stdout == "through\n"
+    rc, data, err = audit_json(inv_path, "--hosts", "gpu")
+    assert rc == 0 and data["hosts"]["gpu"]["reachable"], err
+
+
+def test_ssh_config_alias(sshd, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  IdentityFile {sshd.identity}\n")
+    monkeypatch.setenv("HOME", str(home))
+    inv = load_inventory(write_inventory(tmp_path, {"gpu": {"address": "gpu-alias",
+                                                            "known_hosts": str(sshd.write_known_hosts())}}))
+    with open_host(inv.hosts["gpu"], inv) as conn:
+        assert conn.endpoint.port == sshd.port
+        assert conn.exec("echo alias").stdout == "alias\n"
+
+
+def test_shell_metacharacters_never_run(sshd, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = f"$(touch {marker})"
+    inv = write_inventory(tmp_path, {
+        "a": sshd.entry(workdir=f"~/.eh{evil}`touch {marker}`"),
+        "b": sshd.entry(python=f"python3; touch {marker}"),
+    })
+    rc, data, err = audit_json(inv)
+    assert data["hosts"]["a"]["reachable"] is True
+    assert data["hosts"]["b"]["reachable"] is False
+    assert "not found" in data["hosts"]["b"]["message"]
+    assert not marker.exists()
+    r = run_inv("audit", "--inventory", str(inv), env={"HARNESS_X": evil})
+    assert not marker.exists()
+
+
+def test_local_transport_runs_same_probe(tmp_path):
+    inv = load_inventory(write_inventory(tmp_path, {"local": {"transport": "local"}}))
+    facts = audit.probe_host(inv, inv.hosts["local"])
+    assert facts["system"]["python"] and facts["round_trips"] == 1
+
+
+def test_exec_stdin_is_fast(sshd, tmp_path):
+    """A 1 MB stdin reaches the host in one round trip, not one byte per 10 ms (Invoke's in_stream)."""
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry()}))
+    data = bytes(range(256)) * 4096
+    with HostConnection(inv.hosts["h"], inv) as conn:
+        r = conn.exec("sha256sum", stdin=data, timeout=20)
+    import hashlib
+    assert r.stdout.split()[0] == hashlib.sha256(data).hexdigest()

@@ -1,0 +1,73 @@
+"""Bad inventories exit non-zero with one line naming the file, the field path and the line."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, run_inv
+from harness.errors import HarnessError
+from harness.inventory import load_inventory, select_hosts
+
+CASES = {
+    "unknown field": ("hosts:\n  gpu1:\n    address: 10.0.0.1\n    prot: 22\n", ":4: hosts.gpu1.prot: unknown field"),
+    "wrong type": ("hosts:\n  gpu1:\n    address: 10.0.0.1\n    port: twenty\n", ":4: hosts.gpu1.port: Input should be a valid integer"),
+    "missing key file": ("hosts:\n  gpu1:\n    address: 10.0.0.1\n    identity: /nonexistent/id_ed25519\n",
+                         ":4: hosts.gpu1.identity: key file /nonexistent/id_ed25519 not found"),
+    "unknown jump": ("hosts:\n  gpu1:\n    address: 10.0.0.1\n    jump: bastion\n", ":4: hosts.gpu1.jump: unknown jump host 'bastion'"),
+    "yaml syntax": ("hosts:\n  gpu1:\n    address: [10.0.0.1\n    port: 22\n", "YAML syntax error"),
+    "ssh without address": ("hosts:\n  gpu1:\n    port: 22\n", ":2: hosts.gpu1: Value error") ,
+    "bad transport": ("hosts:\n  gpu1:\n    transport: telnet\n    address: x\n", ":3: hosts.gpu1.transport: Input should be 'ssh' or 'local'"),
+    "bad model field": ("hosts:\n  l:\n    transport: local\nmodel:\n  path: m\n  trust_remote: true\n", ":6: model.trust_remote: unknown field"),
+    "not a mapping": ("- a\n- b\n", ":1: the inventory must be a mapping"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_inventory_one_line(case, tmp_path):
+    text, expected = CASES[case]
+    p = tmp_path / "inventory.yaml"
+    p.write_text(text)
+    with pytest.raises(HarnessError) as e:
+        load_inventory(p)
+    msg = str(e.value)
+    assert msg.startswith(str(p)), msg
+    assert "\n" not in msg
+    if case == "ssh without address":
+        assert ":2: hosts.gpu1:" in msg and "needs 'address'" in msg
+    else:
+        assert expected in msg, msg
+
+
+def test_bad_inventory_cli_exits_with_one_line(tmp_path):
+    p = tmp_path / "inventory.yaml"
+    p.write_text(CASES["wrong type"][0])
+    r = run_inv("audit", "--inventory", str(p))
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "hosts.gpu1.port" in lines[0] and ":4:" in lines[0]
+
+
+def test_missing_inventory_file(tmp_path):
+    r = run_inv("audit", "--inventory", str(tmp_path / "nope.yaml"))
+    assert r.returncode != 0 and "inventory file not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inventory_from_env(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text("hosts:\n  me:\n    transport: local\n")
+    r = run_inv("audit", "--json", env={"HARNESS_INVENTORY": str(p)})
+    assert r.returncode == 0, r.stderr
+    assert '"me"' in r.stdout
+
+
+def test_shipped_inventory_is_valid():
+    inv = load_inventory(REPO / "inventory.yaml")
+    assert inv.hosts["local"].transport == "local"
+
+
+def test_unknown_host_in_hosts_option(tmp_path):
+    p = tmp_path / "inventory.yaml"
+    p.write_text("hosts:\n  a:\n    transport: local\n")
+    inv = load_inventory(p)
+    with pytest.raises(HarnessError, match="unknown host 'b'"):
+        select_hosts(inv, "a,b")
