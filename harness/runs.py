@@ -1,0 +1,392 @@
+"""Detached stage runs on a host: launch, follow with progress, status, list, stop.
+
+Why detached: a stage (vLLM loading a 1T model, extraction, training) runs for hours; tying it to an
+SSH session means a dropped link kills it halfway. So a launch is ONE call to ``remote/runctl.py`` on
+the host that writes the run spec, the env file and the wrapper and starts the wrapper in its own
+session; from then on the workstation only reads (status.json, run.log), and can come and go.
+
+Round trips: a launch whose code is already on the host is one ``run_script`` call; when the remote/
+tree changed, the host answers ``need_code`` and the second call carries the tree as a tar.
+
+API (what the pipeline calls)::
+
+    h = launch(conn, inv, "extract", run_id=None, inputs={"prepare": prep_run_id}, gpu=None)
+    st = follow(conn, h.run_id)          # live log + rich progress; returns the final status dict
+    st = run_stage(conn, inv, "extract", inputs=..., pull=True)   # launch + follow + check + pull
+    status(conn, run_id), list_runs(conn), read_log(conn, run_id, offset), stop(conn, run_id)
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import re
+import secrets as _secrets
+import shlex
+import tarfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from harness import REMOTE_DIR, TEMPLATES_DIR
+from harness.connection import HostConnection, shell_path
+from harness.envfile import Masker, render_env, render_template, secret_values
+from harness.errors import HarnessError, HostUnreachable
+from harness.inventory import HostSpec, Inventory
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FINAL = ("succeeded", "failed", "stopped", "lost")
+PROGRESS = "@@progress "
+
+
+def local_runs_dir() -> Path:
+    """Where the workstation keeps what it knows of runs: log mirrors, follow offsets, pulled artifacts."""
+    return Path(os.environ.get("HARNESS_RUNS_DIR", "runs"))
+
+
+def stages(code_root: Path | None = None) -> list[str]:
+    """Every stage module under remote/stages/ (what ``inv stage.<name>`` offers)."""
+    d = (code_root or REMOTE_DIR) / "stages"
+    return sorted(p.stem for p in d.glob("*.py") if not p.name.startswith("_")) if d.is_dir() else []
+
+
+# ---------------------------------------------------------------------------------------------------
+# the code that runs on the host
+
+_SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+
+
+def code_bundle(root: Path | None = None) -> tuple[str, bytes]:
+    """(sha256 of the tree, tar.gz of it). The hash covers paths, exec bits and contents only, so it
+    changes exactly when what runs on the host would."""
+    root = Path(root or REMOTE_DIR)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith((".pyc", ".pyo")) or name.startswith("."):
+                continue
+            p = Path(dirpath) / name
+            files.append((p.relative_to(root).as_posix(), p))
+    h = hashlib.sha256()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for rel, p in sorted(files):
+            data = p.read_bytes()
+            execbit = os.access(p, os.X_OK)
+            h.update(f"{rel}\0{int(execbit)}\0{len(data)}\0".encode())
+            h.update(data)
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(data), 0o755 if execbit else 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return h.hexdigest(), buf.getvalue()
+
+
+def new_run_id(stage: str) -> str:
+    return f"{stage}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{_secrets.token_hex(2)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id or ""):
+        raise HarnessError(f"bad run id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    return run_id
+
+
+def _runctl(conn: HostConnection, action: str, **spec) -> dict:
+    spec = {"action": action, "workdir": conn.host.workdir, **spec}
+    return conn.run_script("runctl", spec, remote_dir=REMOTE_DIR)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launch
+
+@dataclass
+class Launch:
+    host: str
+    run_id: str
+    launched: bool
+    status: dict
+    reason: str = ""
+    code_uploaded: bool = False
+    round_trips: int = 0
+    secrets: list[str] = field(default_factory=list, repr=False)
+
+
+def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, code_sha: str, gpu: bool,
+                   secret_names: list[str], poll_interval: float = 2.0, templates_dir: Path | None = None) -> str:
+    """The wrapper script for one run, from templates/run/wrapper.sh.j2 (paths stay ``$HOME``-relative
+    when the workdir is ``~/...``; the attempt number is filled in on the host)."""
+    wd = host.workdir.rstrip("/")
+    svc = host.service
+    ctx = {
+        "run_id": run_id, "stage": stage, "attempt": "@@ATTEMPT@@", "spec_hash": spec_hash,
+        "run_dir": shell_path(f"{wd}/runs/{run_id}"), "code_dir": shell_path(f"{wd}/code/{code_sha}"),
+        "python": shell_path(host.python), "lock_path": shell_path(f"{wd}/gpu.lock"),
+        "guard": gpu, "host_gpus": host.gpus,
+        "service_stop": (svc.stop if svc and gpu else "") or "",
+        "service_start": (svc.start if svc and gpu else "") or "",
+        "service_health": (svc.health if svc and gpu else "") or "",
+        "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.timeout if svc else 300,
+        "poll_interval": poll_interval, "secret_names": secret_names,
+    }
+    return render_template((templates_dir or TEMPLATES_DIR) / "run", "wrapper.sh.j2", ctx)
+
+
+def stage_spec(inv: Inventory | None, stage: str, extra: dict | None = None) -> dict:
+    """What a stage reads besides its inputs: the inventory's model and pipeline sections."""
+    spec = {"stage": stage,
+            "model": inv.model.model_dump() if inv and inv.model else None,
+            "pipeline": inv.pipeline.model_dump() if inv else {}}
+    spec.update(extra or {})
+    return spec
+
+
+def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: str | None = None,
+           inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
+           code_root: Path | None = None, environ: dict | None = None, detach: str = "auto",
+           poll_interval: float = 2.0, wait_s: float = 5.0) -> Launch:
+    """Start ``stage`` on ``conn``'s host, detached; returns at once with the run's first status.
+
+    ``inputs`` maps a stage name to the run id whose artifacts it reads; ``gpu`` (default: the host
+    has GPUs) turns on the GPU guard; ``run_id`` makes the launch idempotent (a finished run is not
+    run again, a failed or stopped one is). ``code_root`` replaces remote/ (tests)."""
+    host = conn.host
+    run_id = check_run_id(run_id or new_run_id(stage))
+    gpu = host.gpus > 0 if gpu is None else gpu
+    before = conn.round_trips
+    envf = render_env(host, inv, environ=environ)
+    sspec = stage_spec(inv, stage, extra)
+    spec_hash = hashlib.sha256(json.dumps([sspec, inputs or {}], sort_keys=True, default=str).encode()).hexdigest()
+    code_sha, tar = code_bundle(code_root)
+    wrapper = render_wrapper(host, run_id=run_id, stage=stage, spec_hash=spec_hash, code_sha=code_sha, gpu=gpu,
+                             secret_names=sorted(envf.secrets), poll_interval=poll_interval)
+    req = {"run_id": run_id, "stage_spec": sspec, "inputs": inputs or {}, "spec_hash": spec_hash,
+           "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s}
+    res = _runctl(conn, "launch", **req)
+    if res.get("need_code"):
+        res = _runctl(conn, "launch", **req, code_tar=base64.b64encode(tar).decode())
+    st = res.get("status") or {}
+    return Launch(host=host.name, run_id=run_id, launched=bool(res.get("launched")), status=st,
+                  reason=res.get("reason", ""), code_uploaded=bool(res.get("code_uploaded")),
+                  round_trips=conn.round_trips - before, secrets=list(envf.secrets))
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading and stopping
+
+def status(conn: HostConnection, run_id: str) -> dict:
+    return _runctl(conn, "status", run_id=check_run_id(run_id))
+
+
+def list_runs(conn: HostConnection) -> list[dict]:
+    return _runctl(conn, "list")["runs"]
+
+
+def read_log(conn: HostConnection, run_id: str, offset: int = 0, masker: Masker | None = None) -> tuple[str, int, dict]:
+    """The log from byte ``offset`` to its current end: (text, new offset, status)."""
+    res = _runctl(conn, "logs", run_id=check_run_id(run_id), offset=offset)
+    text = res["data"]
+    return (masker(text) if masker else text), res["offset"], res["status"]
+
+
+def stop(conn: HostConnection, run_id: str, grace: float = 10.0) -> dict:
+    """Stop the run's whole process group (TERM, then KILL after ``grace``); the wrapper survives to
+    restore the service. Returns runctl's answer ({stopped, killed, status})."""
+    return _runctl(conn, "stop", run_id=check_run_id(run_id), grace=grace)
+
+
+def last_env(conn: HostConnection) -> dict:
+    return _runctl(conn, "last_env")
+
+
+# ---------------------------------------------------------------------------------------------------
+# following a run
+
+_FOLLOW_BOOT = ("import json,sys\n"
+                "d=json.loads(sys.stdin.read())\n"
+                "g={'__name__':'runctl'}\n"
+                "exec(compile(d['src'],'remote/runctl.py','exec'),g)\n"
+                "g['follow'](d['spec'])\n")
+
+
+class FollowState:
+    """Where the workstation left off reading a run's log (attempt, byte offset), kept beside the
+    log mirror in ``runs/<run-id>/`` so ``runs.logs --follow`` reattaches exactly there."""
+
+    def __init__(self, run_id: str, host: str, base: Path | None = None):
+        self.dir = (base or local_runs_dir()) / run_id
+        self.path = self.dir / f".follow-{host}.json"
+        self.log = self.dir / f"run.{host}.log"
+        d = {}
+        if self.path.exists():
+            try:
+                d = json.loads(self.path.read_text())
+            except ValueError:
+                d = {}
+        self.attempt = d.get("attempt")
+        self.offset = int(d.get("offset", 0))
+
+    def advance(self, text: str, offset: int, attempt) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if attempt != self.attempt:
+            self.log.write_text("")
+        with open(self.log, "a") as f:
+            f.write(text)
+        self.attempt, self.offset = attempt, offset
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"attempt": attempt, "offset": offset}))
+        tmp.replace(self.path)
+
+    def reset(self, attempt) -> None:
+        self.attempt, self.offset = attempt, 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("")
+
+
+class ProgressView:
+    """Turns a stage's ``@@progress`` lines into a rich progress bar and prints the other lines."""
+
+    def __init__(self, label: str, console=None, show: bool = True, echo: Callable[[str], None] | None = None):
+        self.label, self.show, self.echo = label, show, echo
+        self.console = console
+        self._progress = None
+        self._task = None
+
+    def __enter__(self):
+        if self.show:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+            self.console = self.console or Console(stderr=True, highlight=False)
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                      console=self.console, transient=False)
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def line(self, line: str) -> None:
+        if line.startswith(PROGRESS):
+            try:
+                p = json.loads(line[len(PROGRESS):])
+                done, total = p.get("done"), p.get("total")
+            except (ValueError, AttributeError):
+                p, done, total = None, None, None
+            if p is not None:
+                if self._progress is not None:
+                    if self._task is None:
+                        self._task = self._progress.add_task(self.label, total=total, unit=p.get("unit", ""))
+                    self._progress.update(self._task, completed=done, total=total, unit=p.get("unit", ""))
+                return
+        if self.echo:
+            self.echo(line)
+        elif self.show and self.console is not None:
+            from rich.markup import escape
+            style = "dim" if line.startswith("@@harness") else ""
+            self.console.print(f"[{style}]{escape(line)}[/]" if style else escape(line))
+
+
+def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] | None = None,
+           progress: bool = True, console=None, masker: Masker | None = None, base: Path | None = None,
+           reconnect_s: float = 60.0, max_s: float = 3600.0) -> dict:
+    """Follow a run's log from where this workstation last left off until the run ends; returns the
+    final status. A dropped link is retried for ``reconnect_s`` seconds, then reported (the run goes
+    on; follow again to reattach). Ctrl-C detaches without stopping the run."""
+    check_run_id(run_id)
+    state = FollowState(run_id, conn.name, base)
+    masker = masker or Masker()
+    src = (REMOTE_DIR / "runctl.py").read_text()
+    final: dict = {}
+    pending = [""]
+
+    def handle(raw: str, view: ProgressView) -> None:
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            return
+        if "reset" in msg:
+            state.reset(msg["reset"])
+        if "data" in msg:
+            text = masker(msg["data"])
+            state.advance(text, msg["off"], msg.get("attempt"))
+            lines = (pending[0] + text).split("\n")
+            pending[0] = lines.pop()
+            for line in lines:
+                view.line(line)
+        if "end" in msg:
+            final.update(msg["end"])
+        if "error" in msg:
+            raise HarnessError(f"host {conn.name}: {msg['error']}")
+
+    lost_since = None
+    with ProgressView(f"{conn.name} {run_id}", console=console, show=progress, echo=on_line) as view:
+        while not final:
+            spec = {"action": "follow", "workdir": conn.host.workdir, "run_id": run_id, "offset": state.offset,
+                    "attempt": state.attempt, "max_s": max_s}
+            cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
+            try:
+                res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
+                                on_stdout=lambda l: handle(l, view))
+                lost_since = None
+                if res.rc != 0 and not final:
+                    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise HarnessError(f"host {conn.name}: following run {run_id} failed: {tail}")
+            except HostUnreachable:
+                now = time.monotonic()
+                lost_since = lost_since or now
+                if now - lost_since >= reconnect_s:
+                    raise HarnessError(
+                        f"host {conn.name}: link lost while following run {run_id}; the run goes on on the host, "
+                        f"reattach with: inv runs.logs {run_id} --follow --hosts {conn.name}")
+                time.sleep(min(2.0, max(0.2, reconnect_s / 10)))
+                conn.close()
+                try:
+                    conn.open()
+                except HostUnreachable:
+                    pass
+        if pending[0]:
+            view.line(pending[0])
+    return final
+
+
+def describe_failure(st: dict) -> str:
+    bits = [f"run {st.get('run_id')} {st.get('state')}"]
+    if st.get("exit_code") not in (None, 0):
+        bits.append(f"exit code {st['exit_code']}")
+    if st.get("error"):
+        bits.append(st["error"])
+    return ": ".join(bits[:1]) + (" (" + "; ".join(bits[1:]) + ")" if len(bits) > 1 else "")
+
+
+def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: str | None = None,
+              inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
+              progress: bool = True, console=None, pull: bool = False, dest: Path | None = None,
+              pull_all: bool = False, code_root: Path | None = None, environ: dict | None = None,
+              poll_interval: float = 2.0) -> dict:
+    """Launch ``stage``, follow it to the end with live progress, raise ``HarnessError`` if it did not
+    succeed, optionally pull its artifacts; returns the final status plus ``result`` (result.json) and
+    ``pulled`` (the local directory) when pulled."""
+    h = launch(conn, inv, stage, run_id=run_id, inputs=inputs, extra=extra, gpu=gpu, code_root=code_root,
+               environ=environ, poll_interval=poll_interval)
+    masker = Masker(secret_values(inv, environ))
+    st = h.status if (not h.launched and h.status.get("state") in FINAL) else \
+        follow(conn, h.run_id, progress=progress, console=console, masker=masker)
+    if st.get("state") != "succeeded":
+        raise HarnessError(f"host {conn.name}: {describe_failure(st)}; see: inv runs.logs {h.run_id} --hosts {conn.name}")
+    if st.get("service", {}).get("healthy") is False:
+        raise HarnessError(f"host {conn.name}: run {h.run_id} succeeded but the service did not come back: "
+                           f"{st['service'].get('error')}")
+    out = dict(st)
+    if pull:
+        from harness.pull import pull as do_pull
+        res = do_pull(conn, h.run_id, dest=dest, include_all=pull_all, progress=progress, console=console)
+        out["pulled"] = str(res.dest)
+        out["result"] = res.result
+    return out

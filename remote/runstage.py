@@ -1,0 +1,51 @@
+"""Runs one stage of a run: ``python -m runstage <run_dir>/spec.json``, with the uploaded code as cwd.
+
+Why a separate entry point rather than ``python -m stages.<name>``: every stage then gets the same
+contract for free -- ``stages.<name>.main(spec) -> dict``, its dict saved as ``<run_dir>/result.json``
+(atomically, so a half-written result never exists), an uncaught exception turned into a one-line
+``@@harness`` message plus the traceback in the log and exit code 1, and ``sys.exit(n)`` kept as n.
+The wrapper (templates/run/wrapper.sh.j2) starts this in its own process group and records the
+exit code; progress is whatever the stage prints as ``@@progress {"done": n, "total": N, "unit": ...}``.
+Stdlib only.
+"""
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def main(argv):
+    if len(argv) != 2:
+        print("usage: python -m runstage RUN_DIR/spec.json", file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        spec = json.load(f)
+    run_dir = spec["run_dir"]
+    os.makedirs(os.path.join(run_dir, "artifacts"), exist_ok=True)
+    started = time.time()
+    print("@@harness stage %s starting (run %s, pid %d)" % (spec["stage"], spec["run_id"], os.getpid()), flush=True)
+    try:
+        module = importlib.import_module("stages." + spec["stage"])
+        result = module.main(spec)
+    except KeyboardInterrupt:
+        print("@@harness stage %s interrupted" % spec["stage"], flush=True)
+        return 130
+    except Exception as e:
+        traceback.print_exc()
+        sys.stderr.flush()
+        print("@@harness stage %s failed: %s: %s" % (spec["stage"], type(e).__name__, e), flush=True)
+        return 1
+    result = dict(result or {})
+    result.setdefault("seconds", round(time.time() - started, 3))
+    tmp = os.path.join(run_dir, "result.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, os.path.join(run_dir, "result.json"))
+    print("@@harness stage %s done in %.1fs" % (spec["stage"], time.time() - started), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
