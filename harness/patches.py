@@ -1,0 +1,394 @@
+"""The patch lifecycle, control-plane side: read and validate ``patches/<package>/<version>/series.yaml``,
+send the series to ``remote/patchtool.py`` on each host (one round trip per host per op), show results.
+
+Why the host gets every version's series at once: the installed version is only known there, and
+asking first would cost a second round trip. The series are a few kilobytes.
+
+Also the maintainer's tool that (re)computes a series' sha256 values from the PyPI wheel, so that no
+hash is ever typed by hand::
+
+    python -m harness.patches refresh speculators 0.3.0 [--wheel PATH]
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from rich.console import Console
+from rich.markup import escape
+from rich.syntax import Syntax
+from rich.table import Table
+
+from harness import PATCHES_DIR
+from harness.errors import HarnessError
+
+WHEEL_CACHE = Path("~/.cache/eagle-harness/wheels").expanduser()
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Check(_Strict):
+    """A grep-style check: ``present`` must match the file once patched, ``absent`` must not."""
+
+    file: str
+    present: str | None = None
+    absent: str | None = None
+
+    @model_validator(mode="after")
+    def _one_pattern(self):
+        if (self.present is None) == (self.absent is None):
+            raise ValueError("give exactly one of 'present' or 'absent'")
+        try:
+            re.compile(self.present or self.absent or "", re.M)
+        except re.error as e:
+            raise ValueError(f"bad regular expression: {e}")
+        return self
+
+
+class FileHashes(_Strict):
+    before: str
+    after: str
+
+    @field_validator("before", "after")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _HEX.match(v):
+            raise ValueError("expected a sha256 in hex (64 characters); run: python -m harness.patches refresh")
+        return v
+
+
+class PatchEntry(_Strict):
+    file: str
+    title: str
+    why: str
+    conditions: dict[str, str | list[str]] = Field(default_factory=dict)
+    fixes_api: list[str] = Field(default_factory=list)
+    files: dict[str, FileHashes] = Field(default_factory=dict)
+    checks: list[Check] = Field(min_length=1)
+
+    @property
+    def name(self) -> str:
+        return self.file.removesuffix(".patch")
+
+
+class Series(_Strict):
+    package: str
+    version: str
+    wheel: str | None = None
+    patches: list[PatchEntry]
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """Best-effort line of a pydantic error location in the YAML text."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(key):
+                    node, line = v, k.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def load_series(path: Path) -> Series:
+    """Read and validate one series.yaml; every problem is one line naming the file, field and line."""
+    try:
+        text = path.read_text()
+        raw = yaml.safe_load(text)
+    except OSError as e:
+        raise HarnessError(f"{path}: cannot read: {e.strerror}")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise HarnessError(f"{path}:{mark.line + 1 if mark else '?'}: YAML syntax error: "
+                           f"{getattr(e, 'problem', None) or e}")
+    try:
+        series = Series.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise HarnessError(f"{path}:{_line_of(text, err['loc']) or '?'}: {field}: {err['msg']}")
+    if series.version != path.parent.name or series.package != path.parent.parent.name:
+        raise HarnessError(f"{path}: says {series.package} {series.version} but lives in "
+                           f"{path.parent.parent.name}/{path.parent.name}")
+    for i, p in enumerate(series.patches):
+        if not (path.parent / p.file).is_file():
+            raise HarnessError(f"{path}:{_line_of(text, ('patches', i, 'file')) or '?'}: patches.{i}.file: "
+                               f"{p.file} not found next to series.yaml")
+    return series
+
+
+def series_dirs(package: str = "speculators", root: Path | None = None) -> list[Path]:
+    base = (root or PATCHES_DIR) / package
+    return sorted(p for p in base.iterdir() if (p / "series.yaml").is_file()) if base.is_dir() else []
+
+
+def build_payload(package: str = "speculators", root: Path | None = None, complete: bool = True) -> dict[str, Any]:
+    """``{version: {"patches": [{name, title, why, conditions, files, checks, diff}]}}`` for the host.
+
+    ``complete`` requires every hash to be there (it is, unless a maintainer is mid-refresh)."""
+    out: dict[str, Any] = {}
+    for d in series_dirs(package, root):
+        series = load_series(d / "series.yaml")
+        patches = []
+        for p in series.patches:
+            if complete and not p.files:
+                raise HarnessError(f"{d / 'series.yaml'}: patch {p.file} has no file hashes; run: "
+                                   f"python -m harness.patches refresh {package} {series.version}")
+            patches.append({
+                "name": p.name, "title": p.title, "why": p.why, "conditions": p.conditions,
+                "fixes_api": p.fixes_api,
+                "files": {rel: h.model_dump() for rel, h in p.files.items()},
+                "checks": [c.model_dump(exclude_none=True) for c in p.checks],
+                "diff": (d / p.file).read_text(),
+            })
+        out[series.version] = {"patches": patches}
+    if not out:
+        raise HarnessError(f"no patch series found under {(root or PATCHES_DIR) / package}")
+    return out
+
+
+def api_fixes(payload: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Per version: which patch fixes each vLLM API name that apicheck may report."""
+    return {v: {api: p["name"] for p in s["patches"] for api in p["fixes_api"]} for v, s in payload.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# the maintainer's hash tool
+
+def load_remote(name: str):
+    """Import a stdlib module of remote/ by path (it is shipped to hosts, not installed here)."""
+    import importlib.util
+
+    from harness import REMOTE_DIR
+
+    spec = importlib.util.spec_from_file_location(f"_remote_{name}", REMOTE_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fetch_wheel(package: str, version: str, wheel: str | None = None) -> Path:
+    """The PyPI wheel (cached), via ``pip download --no-deps``."""
+    if wheel:
+        p = WHEEL_CACHE / wheel
+        if p.is_file():
+            return p
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEEL_CACHE),
+                          f"{package}=={version}"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise HarnessError(f"pip download {package}=={version} failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
+    norm = package.replace("-", "_")
+    found = sorted(WHEEL_CACHE.glob(f"{norm}-{version}-*.whl"))
+    if not found:
+        raise HarnessError(f"pip download {package}=={version} left no wheel in {WHEEL_CACHE}")
+    return found[0]
+
+
+def refresh(package: str, version: str, wheel: Path | None = None, root: Path | None = None) -> Path:
+    """Recompute every patch's before/after sha256 by applying the series to the wheel's files with
+    the same exact applier the hosts use; also prove each grep check tells the fix present from absent."""
+    patchtool = load_remote("patchtool")  # the hosts' own applier: the hashes describe what they compute
+
+    d = (root or PATCHES_DIR) / package / version
+    path = d / "series.yaml"
+    text = path.read_text()
+    raw = yaml.safe_load(text)
+    wheel = wheel or fetch_wheel(package, version, raw.get("wheel"))
+    zf = zipfile.ZipFile(wheel)
+    current: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in raw["patches"]:
+            name = entry["file"]
+            fps = patchtool.parse_diff((d / name).read_text())
+            files = {}
+            before_texts = {}
+            for fp in fps:
+                rel = fp["path"]
+                if rel not in current:
+                    current[rel] = zf.read(rel)
+                before = current[rel]
+                try:
+                    after = patchtool.apply_file_patch(before, fp)
+                except patchtool.HunkFailed as e:
+                    raise HarnessError(f"{d / name}: does not apply to {wheel.name}: {e}")
+                compile(after, rel, "exec")  # a patched file must still be valid python
+                files[rel] = {"before": hashlib.sha256(before).hexdigest(), "after": hashlib.sha256(after).hexdigest()}
+                before_texts[rel] = before.decode()
+                current[rel] = after
+            for c in entry["checks"]:
+                pat = c.get("present") or c.get("absent")
+                now = bool(re.search(pat, current[c["file"]].decode(), re.M))
+                was = bool(re.search(pat, before_texts.get(c["file"], current[c["file"]].decode()), re.M))
+                want_now = "present" in c
+                if now != want_now or was == want_now:
+                    raise HarnessError(f"{path}: patch {name}: check {pat!r} does not tell the fix present from absent")
+            entry["files"] = files
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    path.write_text(header + yaml.safe_dump(raw, sort_keys=False, width=110, allow_unicode=True))
+    load_series(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# running on hosts
+
+def run_op(inv, hosts, op: str, workers: int = 8, **extra) -> dict[str, Any]:
+    """Run patchtool ``op`` on every host in parallel: one SSH round trip per host."""
+    from harness.connection import open_host
+    from harness.parallel import on_hosts
+
+    payload = build_payload()
+
+    def one(host):
+        spec = {"op": op, "package": "speculators", "series": payload, "workdir": host.workdir,
+                "facts": {"profile": host.profile}, **extra}
+        with open_host(host, inv) as conn:
+            result = conn.run_script("patchtool", spec)
+            result["round_trips"] = conn.round_trips
+        return result
+
+    return on_hosts(hosts, one, workers=workers)
+
+
+def failures(results: dict[str, Any]) -> list[str]:
+    """Hosts whose op failed (unreachable, refused, version mismatch)."""
+    from harness.parallel import HostFailure
+
+    return [h for h, r in results.items() if isinstance(r, HostFailure) or not r.get("ok")]
+
+
+def as_json(results: dict[str, Any]) -> dict[str, Any]:
+    from harness.parallel import HostFailure
+
+    return {h: ({"ok": False, "error": str(r.error) if hasattr(r, "error") else str(r)}
+                if isinstance(r, HostFailure) else r) for h, r in results.items()}
+
+
+_STYLE = {"applied": "green", "not needed": "dim", "pristine": "yellow", "applied by hand": "cyan",
+          "drifted": "red", "version mismatch": "red"}
+
+
+def render(results: dict[str, Any], console: Console, op: str) -> None:
+    """A table per host for status; one line per host for apply/rollback; the diff for a dry run."""
+    from harness.parallel import HostFailure
+
+    for host, r in results.items():
+        if isinstance(r, HostFailure):
+            console.print(f"[red]{escape(host)}: {escape(str(getattr(r, 'error', r)))}[/red]")
+            continue
+        if not r.get("ok"):
+            console.print(f"[red]{escape(host)}: {escape(r.get('state', 'refused'))}: {escape(r.get('error', ''))}[/red]")
+            continue
+        if op == "plan":
+            console.print(f"[bold]{escape(host)}[/bold]: {escape(r['message'])}")
+            if r.get("diff"):
+                console.print(Syntax(r["diff"], "diff", theme="ansi_dark", word_wrap=True))
+            continue
+        if op in ("apply", "rollback"):
+            extra = f" (also {r['recovered']})" if r.get("recovered") else ""
+            console.print(f"[bold]{escape(host)}[/bold]: {escape(r['message'])}{escape(extra)}")
+            continue
+        table = Table(title=f"{host}: speculators {r['installed']} ({r['site']})", title_justify="left")
+        table.add_column("patch")
+        table.add_column("state")
+        table.add_column("detail")
+        for p in r["patches"]:
+            style = _STYLE.get(p["state"], "")
+            table.add_row(escape(f"{p['name']}  {p['title']}"), f"[{style}]{escape(p['state'])}[/{style}]" if style else p["state"],
+                          escape(p["detail"]))
+        console.print(table)
+        if r.get("interrupted"):
+            console.print(f"[yellow]{escape(host)}: an interrupted {escape(r['interrupted'])} is pending; "
+                          "the next patch.apply or patch.rollback completes it[/yellow]")
+
+
+# ------------------------------------------------------------------------------------------------
+# the audit's view: patch states and the vLLM API preflight, in the same probe round trip
+
+def audit_extend(inv, host, spec: dict) -> list[str]:
+    """Add the patch status and the API preflight to the probe's spec; returns the modules to ship."""
+    try:
+        payload = build_payload()
+    except HarnessError as e:
+        spec["patches"] = None
+        spec["patches_error"] = str(e)
+        return []
+    spec["patches"] = {"op": "status", "package": "speculators", "series": payload, "workdir": host.workdir,
+                       "facts": {"profile": host.profile}}
+    spec["apicheck"] = {"fixes": api_fixes(payload)}
+    return ["patchtool", "apicheck"]
+
+
+def audit_checks(host, facts: dict) -> list:
+    from harness.audit import Check
+
+    out = []
+    st = facts.get("patches")
+    if st:
+        if not st.get("ok"):
+            out.append(Check("patches", "fail" if st.get("state") == "version mismatch" else "warn",
+                             st.get("error", "?")))
+        else:
+            for p in st["patches"]:
+                state = p["state"]
+                level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
+                out.append(Check(f"patch {p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
+    api = facts.get("apicheck")
+    if api:
+        if api.get("error"):
+            out.append(Check("vLLM API preflight", "warn", api["error"]))
+        elif api.get("skipped"):
+            out.append(Check("vLLM API preflight", "pass", api["skipped"]))
+        elif api["mismatches"]:
+            first = api["mismatches"][0]
+            out.append(Check("vLLM API preflight", "fail",
+                             f"{len(api['mismatches'])} mismatches with vLLM {api['vllm']}, e.g. {first['where']}: "
+                             f"{first['problem']}" + (f" (fixed by {first['fixed_by']})" if first.get("fixed_by") else "")))
+        else:
+            out.append(Check("vLLM API preflight", "pass", f"{api['calls_checked']} vLLM calls match vLLM {api['vllm']}"))
+    return out
+
+
+def register_audit_extension() -> None:
+    from harness import audit
+
+    if (audit_extend, audit_checks) not in audit.EXTENSIONS:
+        audit.EXTENSIONS.append((audit_extend, audit_checks))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if len(args) >= 3 and args[0] == "refresh":
+        wheel = Path(args[args.index("--wheel") + 1]) if "--wheel" in args else None
+        try:
+            print(refresh(args[1], args[2], wheel))
+        except HarnessError as e:
+            sys.exit(f"error: {e}")
+    else:
+        sys.exit("usage: python -m harness.patches refresh PACKAGE VERSION [--wheel PATH]")

@@ -1,0 +1,729 @@
+"""Patch the installed speculators on a host as one transaction: status, plan, apply, rollback.
+
+Runs ON the host (stdlib only), shipped by the harness with a JSON spec, or by hand:
+``python patchtool.py < spec.json``. Why here and not over SSH step by step: a dropped link must
+leave the host finished or untouched, so every mutation is one local transaction with a journal.
+
+State is a function of content hashes. Per file, the series gives a chain of sha256 values
+(pristine -> after patch a -> after patch b ...); pip's RECORD gives the pristine one. A file whose
+hash is in the chain is pristine or patched up to some step; one that is not has drifted (edited by
+hand): the series' grep checks then say whether the fix is present ("applied by hand") or not.
+
+Spec keys (all ops): ``op`` (status | plan | apply | rollback), ``package`` (default speculators),
+``series`` ({version: {"patches": [...]}} as built by harness/patches.py), ``facts`` ({"profile":
+..., "vllm": version}; vllm defaults to the host's installed one, or ``vllm_path``'s dist-info),
+``workdir`` (default ~/.eagle-harness), ``force``, ``reinstall``, ``pip_args`` (extra pip args).
+"""
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
+
+
+class Refused(Exception):
+    """A one-line reason why an operation was not done (nothing on the host was changed)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# hashes
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def record_b64(hex_digest: str) -> str:
+    """pip's RECORD spelling of a sha256 (urlsafe base64, no padding)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
+
+
+def file_sha(path: Path) -> str | None:
+    try:
+        return sha256_hex(path.read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# unified diffs: an exact applier (no fuzz, no offset search; the hashes were checked first)
+
+class HunkFailed(Exception):
+    def __init__(self, file: str, number: int, header: str, reason: str):
+        super().__init__(f"file {file}, hunk #{number} ({header}): {reason}")
+        self.file, self.number, self.header, self.reason = file, number, header, reason
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def parse_diff(text: str) -> list[dict]:
+    """``diff -u`` text -> [{"path", "hunks": [{"header", "old_start", "old_len", "new_start",
+    "new_len", "lines": [(tag, bytes)]}]}]; paths are the ``+++`` names (relative to site-packages)."""
+    files: list[dict] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            path = lines[i + 1][4:].rstrip("\n").split("\t")[0].strip()
+            files.append({"path": path, "hunks": []})
+            i += 2
+            continue
+        m = _HUNK.match(line)
+        if m:
+            if not files:
+                raise ValueError(f"line {i + 1}: hunk before any file header")
+            old_len = int(m.group(2)) if m.group(2) is not None else 1
+            new_len = int(m.group(4)) if m.group(4) is not None else 1
+            hunk = {"header": line.split("@@")[1].strip().join(["@@ ", " @@"]), "old_start": int(m.group(1)),
+                    "old_len": old_len, "new_start": int(m.group(3)), "new_len": new_len, "lines": []}
+            i += 1
+            seen_old = seen_new = 0
+            while i < len(lines) and (seen_old < old_len or seen_new < new_len or lines[i].startswith("\\")):
+                body = lines[i]
+                if body.startswith("\\"):  # "\ No newline at end of file"
+                    tag, data = hunk["lines"][-1]
+                    hunk["lines"][-1] = (tag, data[:-1] if data.endswith(b"\n") else data)
+                    i += 1
+                    continue
+                tag, data = body[:1], body[1:].encode()
+                if body in ("\n", ""):  # some tools drop the space of an empty context line
+                    tag, data = " ", b"\n"
+                if tag not in (" ", "-", "+"):
+                    raise ValueError(f"line {i + 1}: bad hunk line {body[:40]!r}")
+                seen_old += tag in (" ", "-")
+                seen_new += tag in (" ", "+")
+                hunk["lines"].append((tag, data))
+                i += 1
+            if seen_old != old_len or seen_new != new_len:
+                raise ValueError(f"hunk {hunk['header']}: truncated")
+            files[-1]["hunks"].append(hunk)
+            continue
+        i += 1
+    return files
+
+
+def _split(data: bytes) -> list[bytes]:
+    parts = data.split(b"\n")
+    out = [p + b"\n" for p in parts[:-1]]
+    if parts[-1]:
+        out.append(parts[-1])
+    return out
+
+
+def apply_file_patch(data: bytes, fpatch: dict, reverse: bool = False) -> bytes:
+    """Apply (or reverse) one file's hunks exactly; raise HunkFailed naming the hunk that does not fit."""
+    src = _split(data)
+    out: list[bytes] = []
+    pos = 0
+    for n, h in enumerate(fpatch["hunks"], 1):
+        old_tag, new_tag = ("+", "-") if reverse else ("-", "+")
+        start, length = (h["new_start"], h["new_len"]) if reverse else (h["old_start"], h["old_len"])
+        old = [d for t, d in h["lines"] if t in (" ", old_tag)]
+        new = [d for t, d in h["lines"] if t in (" ", new_tag)]
+        at = start - 1 if length else start
+        if at < pos or src[at:at + len(old)] != old:
+            got = src[at:at + len(old)]
+            first_bad = next((k for k, (a, b) in enumerate(zip(old, got)) if a != b), min(len(old), len(got)))
+            raise HunkFailed(fpatch["path"], n, h["header"],
+                             f"context does not match at line {at + first_bad + 1}")
+        out.extend(src[pos:at])
+        out.extend(new)
+        pos = at + len(old)
+    out.extend(src[pos:])
+    return b"".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# facts and conditions
+
+def _vtuple(v: str) -> tuple:
+    nums = []
+    for part in re.split(r"[.+-]", v):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        nums.append(int(m.group()))
+    return tuple(nums)
+
+
+def version_matches(version: str | None, spec: str) -> bool:
+    """``"0.16.0"`` against ``">=0.12,<0.20"`` (numeric release parts only)."""
+    if version is None:
+        return False
+    v = _vtuple(version)
+    for clause in [c.strip() for c in spec.split(",") if c.strip()]:
+        m = re.match(r"(>=|<=|==|!=|>|<)\s*(.+)", clause)
+        if not m:
+            raise Refused(f"bad version condition {clause!r}")
+        op, want = m.group(1), _vtuple(m.group(2))
+        n = max(len(v), len(want))
+        a, b = v + (0,) * (n - len(v)), want + (0,) * (n - len(want))
+        ok = {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b, "<": a < b}[op]
+        if not ok:
+            return False
+    return True
+
+
+def dist_version_at(root: str, name: str) -> str | None:
+    """Version of ``name`` from a ``*.dist-info`` under ``root`` (an unpacked wheel, a --target dir)."""
+    for d in sorted(Path(os.path.expanduser(root)).glob(f"{name}-*.dist-info")):
+        for line in (d / "METADATA").read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def host_facts(spec: dict) -> dict:
+    facts = dict(spec.get("facts") or {})
+    if "vllm" not in facts:
+        if spec.get("vllm_path"):
+            facts["vllm"] = dist_version_at(spec["vllm_path"], "vllm")
+        else:
+            try:
+                facts["vllm"] = metadata.version("vllm")
+            except metadata.PackageNotFoundError:
+                facts["vllm"] = None
+    return facts
+
+
+def condition_met(conditions: dict, facts: dict) -> tuple[bool, str]:
+    """Whether every condition holds on these facts, and a short reason when one does not."""
+    for key, want in (conditions or {}).items():
+        have = facts.get(key)
+        if isinstance(want, list):
+            ok = have in want
+        elif isinstance(want, str) and re.match(r"\s*(>=|<=|==|!=|>|<)", want):
+            ok = version_matches(have, want)
+        else:
+            ok = have == want
+        if not ok:
+            return False, f"{key} is {have if have is not None else 'absent'}, needs {want}"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------------
+# the installed package and the series for it
+
+class Target:
+    """The installed package (found from this python), its RECORD, and the patch series for it."""
+
+    def __init__(self, spec: dict):
+        self.package = spec.get("package", "speculators")
+        try:
+            dist = metadata.distribution(self.package)
+        except metadata.PackageNotFoundError:
+            raise Refused(f"{self.package} is not installed for {sys.executable}")
+        self.version = dist.version
+        self.site = Path(str(dist.locate_file(""))).resolve()
+        self.record = {str(f).replace(os.sep, "/"): f.hash.value for f in (dist.files or [])
+                       if f.hash and f.hash.mode == "sha256"}
+        self.available = sorted((spec.get("series") or {}).keys(), key=_vtuple)
+        self.series = (spec.get("series") or {}).get(self.version)
+        self.env_id = f"{self.package}-{self.version}-{sha256_hex(str(self.site).encode())[:12]}"
+        self.envdir = Path(os.path.expanduser(spec.get("workdir") or "~/.eagle-harness")) / "patches" / self.env_id
+        self.facts = host_facts(spec)
+
+    def mismatch(self) -> str:
+        have = ", ".join(self.available) or "none"
+        return (f"{self.package} {self.version} is installed ({self.site}); "
+                f"patch sets exist for {self.package} {have}")
+
+    def require_series(self) -> dict:
+        if self.series is None:
+            raise Refused(self.mismatch())
+        return self.series
+
+    def path(self, rel: str) -> Path:
+        return self.site / rel
+
+
+def selected_patches(target: Target) -> tuple[list[dict], dict[str, str]]:
+    """The patches whose conditions hold here, and why the others are not needed."""
+    chosen, skipped = [], {}
+    for p in target.require_series()["patches"]:
+        ok, why = condition_met(p.get("conditions") or {}, target.facts)
+        if ok:
+            chosen.append(p)
+        else:
+            skipped[p["name"]] = why
+    return chosen, skipped
+
+
+def file_chains(target: Target, chosen: list[dict]) -> dict[str, list[tuple[str | None, str]]]:
+    """Per file: [(patch name or None for pristine, sha256)] along the selected series.
+
+    Raises Refused when the selected patches touching a file are not a prefix of all the series'
+    patches touching it (the series' hashes would not describe the result)."""
+    chains: dict[str, list] = {}
+    every: dict[str, list[str]] = {}
+    for p in target.series["patches"]:
+        for rel in p["files"]:
+            every.setdefault(rel, []).append(p["name"])
+    for p in chosen:
+        for rel, h in p["files"].items():
+            chain = chains.setdefault(rel, [(None, h["before"])])
+            if chain[-1][1] != h["before"]:
+                raise Refused(f"series {target.version}: patch {p['name']} expects {rel} at "
+                              f"{h['before'][:12]} but the previous step leaves {chain[-1][1][:12]}")
+            chain.append((p["name"], h["after"]))
+    for rel, chain in chains.items():
+        names = [n for n, _ in chain[1:]]
+        if names != every[rel][:len(names)]:
+            raise Refused(f"series {target.version}: the conditions select {', '.join(names)} for {rel} "
+                          f"but skip an earlier patch of that file; fix the conditions in series.yaml")
+        rec = target.record.get(rel)
+        if rec is not None and rec != record_b64(chain[0][1]):
+            raise Refused(f"{rel}: pip's RECORD hash differs from the series' pristine hash: this is not the "
+                          f"PyPI build of {target.package} {target.version} the series was written for")
+    return chains
+
+
+def checks_pass(target: Target, patch: dict) -> bool:
+    """The patch's grep checks: every ``present`` pattern found and every ``absent`` one not."""
+    checks = patch.get("checks") or []
+    if not checks:
+        return False
+    for c in checks:
+        try:
+            text = target.path(c["file"]).read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        if "present" in c and not re.search(c["present"], text, re.M):
+            return False
+        if "absent" in c and re.search(c["absent"], text, re.M):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# status
+
+def _patch_states(target: Target) -> tuple[list[dict], dict, dict]:
+    chosen, skipped = selected_patches(target)
+    chains = file_chains(target, chosen)
+    current = {rel: file_sha(target.path(rel)) for rel in chains}
+    position = {}
+    for rel, chain in chains.items():
+        hashes = [h for _, h in chain]
+        position[rel] = hashes.index(current[rel]) if current[rel] in hashes else None
+    out = []
+    for p in target.series["patches"]:
+        row = {"name": p["name"], "title": p.get("title", ""), "files": sorted(p["files"])}
+        if p["name"] in skipped:
+            row.update(state="not needed", detail=skipped[p["name"]])
+            out.append(row)
+            continue
+        states = set()
+        for rel in p["files"]:
+            k = [n for n, _ in chains[rel]].index(p["name"])  # this patch's step in the file's chain
+            pos = position[rel]
+            states.add("drifted" if pos is None else ("applied" if pos >= k else "pristine"))
+        if states == {"applied"}:
+            row.update(state="applied", detail="hashes match this series")
+        elif states == {"pristine"}:
+            row.update(state="pristine", detail="not applied yet")
+        elif "drifted" in states:
+            hand = checks_pass(target, p)
+            row.update(state="applied by hand" if hand else "drifted",
+                       detail=("the fix is present but the file's hash is not ours" if hand else
+                               "the file was edited and the fix is absent"))
+        else:
+            row.update(state="drifted", detail="its files are at different steps of the series")
+        out.append(row)
+    files = {rel: {"sha256": current[rel], "pristine": chains[rel][0][1],
+                   "target": chains[rel][-1][1],
+                   "state": ("drifted" if position[rel] is None else
+                             "pristine" if position[rel] == 0 else
+                             "patched" if position[rel] == len(chains[rel]) - 1 else "partly patched")}
+             for rel in chains}
+    return out, files, chains
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def status(spec: dict) -> dict:
+    """Per patch: not needed / pristine / applied / applied by hand / drifted (read-only)."""
+    try:
+        target = Target(spec)
+    except Refused as e:
+        return {"ok": False, "state": "not installed", "error": str(e)}
+    base = {"package": target.package, "installed": target.version, "site": str(target.site),
+            "available": target.available, "env_id": target.env_id, "facts": target.facts}
+    if target.series is None:
+        return {**base, "ok": False, "state": "version mismatch", "error": target.mismatch()}
+    try:
+        patches, files, _ = _patch_states(target)
+    except Refused as e:
+        return {**base, "ok": False, "state": "error", "error": str(e)}
+    journal = _read_json(target.envdir / "journal.json")
+    manifest = _read_json(target.envdir / "manifest.json")
+    return {**base, "ok": True, "state": "ok", "patches": patches, "files": files,
+            "manifest": manifest, "interrupted": journal["op"] if journal else None}
+
+
+# ------------------------------------------------------------------------------------------------
+# the transaction: lock, journal, atomic swap, recovery
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` in one rename (a temp file in the same directory, fsynced)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.eh-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class Lock:
+    """An fcntl lock per environment: a second apply/rollback on the same host is refused."""
+
+    def __init__(self, envdir: Path):
+        envdir.mkdir(parents=True, exist_ok=True)
+        self.path = envdir / "lock"
+        self.fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+
+    def __enter__(self):
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise Refused(f"another patch operation is running on this host (pid {holder}, lock {self.path}); "
+                          "wait for it to finish")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc):
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _hook(spec: dict, name: str) -> None:
+    """Test-only pauses (to cut the SSH link at a known moment); ignored unless the env var is set."""
+    if os.environ.get(TEST_HOOKS_ENV) == "1":
+        seconds = float((spec.get("test_hooks") or {}).get(name, 0))
+        if seconds:
+            time.sleep(seconds)
+
+
+def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> None:
+    """Bring every file of the journal to its ``to`` content (roll forward), then finish the
+    manifest step and drop the journal. Used both by a live transaction and by recovery."""
+    envdir = target.envdir
+    for i, f in enumerate(journal["files"]):
+        path = Path(f["path"])
+        cur = file_sha(path)
+        if cur == f["to"]:
+            continue
+        if cur != f["from"]:
+            raise Refused(f"an interrupted {journal['op']} cannot complete: {f['rel']} changed meanwhile "
+                          f"(sha256 {str(cur)[:12]}); run patch.rollback --force --reinstall")
+        data = (envdir / f["staged"]).read_bytes()
+        if sha256_hex(data) != f["to"]:
+            raise Refused(f"an interrupted {journal['op']} cannot complete: staged copy of {f['rel']} is damaged")
+        write_atomic(path, data, f.get("mode"))
+        if spec is not None and i == 0:
+            _hook(spec, "pause_mid_swap")
+    manifest = journal.get("manifest")
+    if manifest is None:
+        for p in (envdir / "manifest.json",):
+            if p.exists():
+                p.unlink()
+        shutil.rmtree(envdir / "backup", ignore_errors=True)
+    else:
+        write_atomic(envdir / "manifest.json", json.dumps(manifest, indent=2).encode())
+    (envdir / "journal.json").unlink()
+    _fsync_dir(envdir)
+    shutil.rmtree(envdir / "tx", ignore_errors=True)
+
+
+def recover(target: Target) -> str | None:
+    """Complete a transaction a previous call left behind (killed mid-swap). Caller holds the lock."""
+    journal = _read_json(target.envdir / "journal.json")
+    if journal is None:
+        shutil.rmtree(target.envdir / "tx", ignore_errors=True)  # staging that never reached the swap
+        return None
+    _run_journal(target, journal)
+    return f"completed an interrupted {journal['op']} ({journal['txid']})"
+
+
+def _transact(target: Target, op: str, changes: list[dict], manifest: dict | None, spec: dict) -> None:
+    """Stage ``changes`` ([{rel, from, to, data}]), journal them, swap them in; all or nothing."""
+    envdir = target.envdir
+    txid = f"{op}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    files = []
+    for c in changes:
+        staged = Path("tx") / txid / c["rel"]
+        write_atomic(envdir / staged, c["data"])
+        path = target.path(c["rel"])
+        files.append({"rel": c["rel"], "path": str(path), "from": c["from"], "to": c["to"],
+                      "staged": str(staged), "mode": os.stat(path).st_mode & 0o7777})
+    journal = {"op": op, "txid": txid, "files": files, "manifest": manifest}
+    _hook(spec, "pause_before_swap")
+    write_atomic(envdir / "journal.json", json.dumps(journal, indent=2).encode())
+    originals = {f["rel"]: Path(f["path"]).read_bytes() for f in files}
+    try:
+        _run_journal(target, journal, spec)
+    except Exception:
+        # a live failure (not a crash): put every file back, drop the journal
+        for f in files:
+            write_atomic(Path(f["path"]), originals[f["rel"]], f["mode"])
+        (envdir / "journal.json").unlink(missing_ok=True)
+        shutil.rmtree(envdir / "tx", ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------
+# plan / apply / rollback
+
+def _pending(target: Target) -> tuple[list[dict], dict, list[dict], list[str]]:
+    """What apply would do: per file the patches still to apply, refusing drifted files."""
+    rows, files, chains = _patch_states(target)
+    drifted = [rel for rel, f in files.items() if f["state"] == "drifted"]
+    if drifted:
+        hand = [r["name"] for r in rows if r["state"] == "applied by hand"]
+        raise Refused(f"{', '.join(drifted)} edited since install (hash matches neither pip's RECORD nor this "
+                      f"series{'; fix of ' + ', '.join(hand) + ' present by hand' if hand else ''}); "
+                      "restore the pristine wheel first: inv patch.rollback --force --reinstall")
+    patches = {p["name"]: p for p in target.series["patches"]}
+    todo: list[str] = []
+    for rel, chain in chains.items():
+        pos = [h for _, h in chain].index(files[rel]["sha256"])
+        for name, _ in chain[pos + 1:]:
+            if name not in todo:
+                todo.append(name)
+    order = [p["name"] for p in target.series["patches"]]
+    todo.sort(key=order.index)
+    return rows, files, [patches[n] for n in todo], list(chains)
+
+
+def _stage_apply(target: Target, todo: list[dict], files: dict) -> dict[str, bytes]:
+    """Apply the pending patches to in-memory copies; check every step against the series' hashes."""
+    data = {rel: target.path(rel).read_bytes() for rel in files}
+    for p in todo:
+        try:
+            fpatches = parse_diff(p["diff"])
+        except ValueError as e:
+            raise Refused(f"patch {p['name']}: unreadable diff: {e}")
+        by_path = {fp["path"]: fp for fp in fpatches}
+        if set(by_path) != set(p["files"]):
+            raise Refused(f"patch {p['name']}: diff touches {sorted(by_path)} but series.yaml lists {sorted(p['files'])}")
+        for rel, fp in by_path.items():
+            h = p["files"][rel]
+            if sha256_hex(data[rel]) != h["before"]:
+                continue  # this file is already past this step (partly patched before)
+            try:
+                new = apply_file_patch(data[rel], fp)
+            except HunkFailed as e:
+                raise Refused(f"patch {p['name']} does not apply: {e}; nothing was changed")
+            if sha256_hex(new) != h["after"]:
+                raise Refused(f"patch {p['name']}: {rel} came out as sha256 {sha256_hex(new)[:12]}, series.yaml "
+                              f"expects {h['after'][:12]}; nothing was changed")
+            data[rel] = new
+    return data
+
+
+def _diff_text(todo: list[dict]) -> str:
+    return "".join(f"# patch {p['name']}: {p.get('title', '')}\n{p['diff']}" for p in todo)
+
+
+def plan(spec: dict) -> dict:
+    target = Target(spec)
+    target.require_series()
+    rows, files, todo, _ = _pending(target)
+    _stage_apply(target, todo, files)  # prove it applies, change nothing
+    return {"ok": True, "installed": target.version, "site": str(target.site), "patches": rows,
+            "would_apply": [p["name"] for p in todo], "diff": _diff_text(todo),
+            "message": "nothing to apply" if not todo else f"{len(todo)} patches would be applied"}
+
+
+def apply(spec: dict) -> dict:
+    target = Target(spec)
+    target.require_series()
+    with Lock(target.envdir):
+        recovered = recover(target)
+        rows, files, todo, _ = _pending(target)
+        if not todo:
+            return {"ok": True, "changed": False, "recovered": recovered, "installed": target.version,
+                    "message": "nothing changed: every needed patch is already applied", "patches": rows}
+        staged = _stage_apply(target, todo, files)
+        # byte-exact pristine backups (kept from an earlier partial apply, else taken now)
+        backups = target.envdir / "backup"
+        for rel, f in files.items():
+            b = backups / rel
+            if b.exists() and file_sha(b) == f["pristine"]:
+                continue
+            cur = target.path(rel).read_bytes()
+            if sha256_hex(cur) != f["pristine"]:
+                cur = _reverse_to_pristine(target, rel, cur)
+            write_atomic(b, cur)
+        old = _read_json(target.envdir / "manifest.json") or {}
+        manifest = {
+            "package": target.package, "version": target.version, "site": str(target.site),
+            "python": sys.executable, "env_id": target.env_id, "facts": target.facts,
+            "applied": sorted(set(old.get("applied", [])) | {p["name"] for p in todo},
+                              key=[p["name"] for p in target.series["patches"]].index),
+            "files": {rel: {"pristine": f["pristine"], "patched": f["target"], "backup": f"backup/{rel}"}
+                      for rel, f in files.items()},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        changes = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel]}
+                   for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
+        _transact(target, "apply", changes, manifest, spec)
+    rows, _, _ = _patch_states(target)
+    return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
+            "applied": [p["name"] for p in todo], "files": [c["rel"] for c in changes],
+            "message": f"applied {len(todo)} patches to {len(changes)} files", "patches": rows,
+            "manifest": str(target.envdir / "manifest.json")}
+
+
+def _reverse_to_pristine(target: Target, rel: str, data: bytes) -> bytes:
+    """Rebuild a file's pristine bytes from a patched copy by reversing the series' steps."""
+    chosen, _ = selected_patches(target)
+    chain = file_chains(target, chosen)[rel]
+    hashes = [h for _, h in chain]
+    pos = hashes.index(sha256_hex(data))
+    patches = {p["name"]: p for p in target.series["patches"]}
+    for name, _ in reversed(chain[1:pos + 1]):
+        fp = next(fp for fp in parse_diff(patches[name]["diff"]) if fp["path"] == rel)
+        data = apply_file_patch(data, fp, reverse=True)
+    if sha256_hex(data) != hashes[0]:
+        raise Refused(f"{rel}: cannot rebuild the pristine file from the series")
+    return data
+
+
+def _record_check(target: Target, rels) -> list[str]:
+    return [rel for rel in rels if target.record.get(rel) != record_b64(file_sha(target.path(rel)) or "0" * 64)]
+
+
+def _reinstall(target: Target, spec: dict) -> dict:
+    cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps",
+           "--disable-pip-version-check", "-q", f"{target.package}=={target.version}", *(spec.get("pip_args") or [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Refused(f"pip could not reinstall {target.package}=={target.version}: {tail}")
+    again = Target(spec)
+    bad = [rel for rel, h in again.record.items() if rel.endswith(".py") and
+           record_b64(file_sha(again.path(rel)) or "0" * 64) != h]
+    if bad:
+        raise Refused(f"after reinstall {len(bad)} files still differ from RECORD: {', '.join(bad[:3])}")
+    shutil.rmtree(target.envdir / "backup", ignore_errors=True)
+    (target.envdir / "manifest.json").unlink(missing_ok=True)
+    return {"ok": True, "changed": True, "installed": target.version, "reinstalled": True,
+            "message": f"reinstalled {target.package}=={target.version} from its wheel; every file matches RECORD"}
+
+
+def rollback(spec: dict) -> dict:
+    target = Target(spec)
+    force = bool(spec.get("force"))
+    with Lock(target.envdir):
+        recovered = recover(target)
+        if spec.get("reinstall"):
+            out = _reinstall(target, spec)
+            out["recovered"] = recovered
+            return out
+        target.require_series()
+        rows, files, chains = _patch_states(target)
+        manifest = _read_json(target.envdir / "manifest.json") or {}
+        rels = sorted(set(files) | set((manifest.get("files") or {})))
+        changes, drifted = [], []
+        for rel in rels:
+            cur = file_sha(target.path(rel))
+            pristine = files[rel]["pristine"] if rel in files else manifest["files"][rel]["pristine"]
+            if cur == pristine:
+                continue
+            backup = target.envdir / "backup" / rel
+            known = rel in files and files[rel]["state"] != "drifted"
+            if not known:
+                drifted.append(rel)
+                if not force:
+                    continue
+            if backup.exists() and file_sha(backup) == pristine:
+                data = backup.read_bytes()
+            elif known:
+                data = _reverse_to_pristine(target, rel, target.path(rel).read_bytes())
+            else:
+                raise Refused(f"{rel} was edited and no pristine backup exists; use --reinstall")
+            changes.append({"rel": rel, "from": cur, "to": pristine, "data": data})
+        if drifted and not force:
+            raise Refused(f"{', '.join(drifted)} changed since the patches were applied (hash matches neither "
+                          "pristine nor patched); nothing was changed; --force restores the backup anyway, "
+                          "--reinstall reinstalls the wheel")
+        if not changes:
+            return {"ok": True, "changed": False, "recovered": recovered, "installed": target.version,
+                    "message": "nothing changed: every file already matches pip's RECORD", "patches": rows}
+        _transact(target, "rollback", changes, None, spec)
+    bad = _record_check(target, [c["rel"] for c in changes])
+    if bad:
+        raise Refused(f"after rollback {', '.join(bad)} do not match pip's RECORD")
+    rows, _, _ = _patch_states(target)
+    return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
+            "restored": [c["rel"] for c in changes], "forced": drifted,
+            "message": f"restored {len(changes)} files; each matches pip's RECORD", "patches": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+
+OPS = {"status": status, "plan": plan, "apply": apply, "rollback": rollback}
+
+
+def main(spec: dict) -> dict:
+    """Run one op; never prints. Refusals come back as ``{"ok": False, "error": one line}``."""
+    op = spec.get("op", "status")
+    if op not in OPS:
+        return {"ok": False, "error": f"unknown op {op!r} (use {', '.join(OPS)})"}
+    if op in ("apply", "rollback"):
+        # a dropped SSH link must not stop a transaction half way
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        return OPS[op](spec)
+    except Refused as e:
+        return {"ok": False, "op": op, "error": str(e)}
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.stdin.read() or "{}"))
+    try:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
