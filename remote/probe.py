@@ -215,5 +215,6 @@ def main(spec):
 
 
 if __name__ == "__main__":
-    json.dump(main(json.load(sys.stdin) if not sys.stdin.isatty() else {}), sys.stdout, indent=2)
+    raw = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    json.dump(main(json.loads(raw) if raw.strip() else {}), sys.stdout, indent=2)
     sys.stdout.write("\n")

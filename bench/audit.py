@@ -1,0 +1,93 @@
+"""Audit wall time: ``inv audit`` on 1 and on 8 loopback hosts, against an equivalent Ansible run.
+
+Both sides reach the same real sshd processes with the same key. Ansible runs a playbook with
+``gather_facts: true`` plus the same probe (remote/probe.py through the script module) on every host,
+with forks=8; ours is the real CLI (``inv audit --json``), process start-up included on both sides.
+
+Prints medians of several runs and the ratios the issue sets bars for:
+  8 hosts / 1 host (ours)   <= 1.5
+  ansible / ours            >= 5
+Needs ansible-core (``pip install -e '.[bench]'`` or an ``ansible-playbook`` on PATH; set ANSIBLE_PLAYBOOK).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from loopback import start_hosts  # noqa: E402
+
+import yaml  # noqa: E402
+
+
+def timed(argv: list[str], env: dict | None = None) -> float:
+    t = time.perf_counter()
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
+    dt = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"{argv[0]} failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    playbook_bin = os.environ.get("ANSIBLE_PLAYBOOK") or shutil.which("ansible-playbook") or str(
+        Path("~/.cache/eagle-harness/ansible-venv/bin/ansible-playbook").expanduser())
+    if not Path(playbook_bin).exists():
+        raise SystemExit("ansible-playbook not found: pip install ansible-core (or set ANSIBLE_PLAYBOOK)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hosts = start_hosts(tmp, args.hosts)
+        try:
+            kh = tmp / "known_hosts"
+            kh.write_text("".join(h.known_hosts_line + "\n" for h in hosts))
+            inv = {"hosts": {h.name: h.entry(known_hosts=str(kh)) for h in hosts}}
+            (tmp / "inventory.yaml").write_text(yaml.safe_dump(inv))
+            ini = ["[gpu]"] + [
+                f"{h.name} ansible_host=127.0.0.1 ansible_port={h.port} ansible_user={h.entry()['user']} "
+                f"ansible_ssh_private_key_file={h.identity} ansible_python_interpreter={sys.executable}"
+                for h in hosts]
+            (tmp / "hosts.ini").write_text("\n".join(ini) + "\n")
+            (tmp / "audit.yml").write_text(yaml.safe_dump([{
+                "hosts": "gpu", "gather_facts": True,
+                "tasks": [{"name": "probe", "ansible.builtin.script": {
+                    "cmd": str(REPO / "remote" / "probe.py"), "executable": sys.executable}}],
+            }]))
+            env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_FORKS=str(args.hosts),
+                       ANSIBLE_SSH_ARGS=f"-o UserKnownHostsFile={kh} -o ControlMaster=no",
+                       ANSIBLE_NOCOLOR="1", ANSIBLE_CONFIG=str(tmp / "none.cfg"))
+            ours = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "audit", "--json",
+                    "--inventory", str(tmp / "inventory.yaml")]
+            theirs = [playbook_bin, "-i", str(tmp / "hosts.ini"), str(tmp / "audit.yml")]
+            results = {}
+            for label, argv in [("ours 1 host", ours + ["--hosts", "host0"]), (f"ours {args.hosts} hosts", ours),
+                                ("ansible 1 host", theirs + ["--limit", "host0"]), (f"ansible {args.hosts} hosts", theirs)]:
+                timed(argv, env)  # warm-up (imports, page cache)
+                results[label] = statistics.median(timed(argv, env) for _ in range(args.repeat))
+        finally:
+            for h in hosts:
+                h.stop()
+
+    n = args.hosts
+    for label, t in results.items():
+        print(f"{label:<20} {t * 1000:8.0f} ms")
+    print(f"ours {n} hosts / 1 host:      {results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x   (bar <= 1.5)")
+    print(f"ansible / ours, 1 host:      {results['ansible 1 host'] / results['ours 1 host']:.1f}x faster (bar >= 5)")
+    print(f"ansible / ours, {n} hosts:     {results[f'ansible {n} hosts'] / results[f'ours {n} hosts']:.1f}x faster (bar >= 5)")
+
+
+if __name__ == "__main__":
+    main()
