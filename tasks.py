@@ -38,6 +38,108 @@ def trust(c, inventory=None, hosts=None, yes=False, json=False):
             stdout.print(f"{r['host']}: {r['address']} {r['key_type']} {r['fingerprint']}: {r['action']}")
 
 
+# --- setup and the whole pipeline (harness/setup.py, harness/pipeline.py) ------------------------------
+@task(help=COMMON_HELP | {"base_python": "the host's interpreter that creates the venv (default python3)"})
+@clean_errors
+def setup(c, inventory=None, hosts=None, json=False, base_python="python3"):
+    """Create each host's Python environment from the pinned profile in remote/, then audit it."""
+    from harness import setup as _setup
+    from harness.connection import open_host
+    from harness.parallel import HostOutput, on_hosts
+
+    inv, selected = load(inventory, hosts)
+    out = HostOutput(enabled=not json)
+
+    def one(h):
+        with open_host(h, inv) as conn:
+            return _setup.run_setup(conn, on_line=out.for_host(h.name, "dim"), base_python=base_python)
+
+    done = on_hosts(selected, one)
+    failed = {n: r for n, r in done.items() if not isinstance(r, dict)}
+    results = _audit.run_audit(inv, [h for h in selected if h.name not in failed])
+    if json:
+        emit_json({"setup": {n: r if isinstance(r, dict) else r.as_dict() for n, r in done.items()},
+                   "audit": _audit.as_json(results)})
+    else:
+        _audit.render(results, stdout)
+    if failed:
+        raise Exit("\n".join(f"error: {f.message}" for f in failed.values()), code=1)
+
+
+@task(help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
+                          "to": "last stage to run", "no_pull": "leave the artifacts on the host",
+                          "no_patch": "do not apply the patch set first"})
+@clean_errors
+def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False):
+    """Patch if needed, then prepare -> extract -> vocab -> train -> evaluate, skipping unchanged stages."""
+    from harness import pipeline as _pipeline
+    from harness.connection import open_host
+    from harness.parallel import on_hosts
+
+    inv, selected = load(inventory, hosts)
+    _pipeline.select_stages(from_, to)  # bad stage names fail before any connection
+
+    def one(h):
+        with open_host(h, inv) as conn:
+            return _pipeline.run_pipeline(conn, inv, start=from_, stop=to, progress=not json,
+                                          pull=not no_pull, patch=not no_patch)
+
+    results = on_hosts(selected, one)
+    if json:
+        emit_json({n: [o.as_dict() for o in r] if isinstance(r, list) else r.as_dict() for n, r in results.items()})
+    else:
+        for n, r in results.items():
+            if isinstance(r, list):
+                stdout.print(_pipeline.summary_table(n, r))
+    bad = [r for r in results.values() if not isinstance(r, list)]
+    if bad:
+        raise Exit("\n".join(f"error: {f.message}" for f in bad), code=1)
+
+
+# --- patch: audit, apply and roll back the version-keyed patch series (harness/patches.py) -------------
+from harness import patches as _patches  # noqa: E402
+
+_patches.register_audit_extension()  # inv audit also shows patch states and the vLLM API preflight
+
+
+def _patch_op(op, inventory, hosts, json, **extra):
+    inv, selected = load(inventory, hosts)
+    results = _patches.run_op(inv, selected, op, **extra)
+    if json:
+        emit_json(_patches.as_json(results))
+    else:
+        _patches.render(results, stdout, op)
+    bad = _patches.failures(results)
+    if bad:
+        raise Exit(f"patch.{'apply' if op == 'plan' else op}: failed on {', '.join(bad)}", code=1)
+
+
+@task(name="status", help=COMMON_HELP)
+@clean_errors
+def patch_status(c, inventory=None, hosts=None, json=False):
+    """Per host and patch: not needed / pristine / applied / applied by hand / drifted / version mismatch."""
+    _patch_op("status", inventory, hosts, json)
+
+
+@task(name="apply", help=COMMON_HELP | {"dry_run": "print the unified diff that would be applied; change nothing"})
+@clean_errors
+def patch_apply(c, inventory=None, hosts=None, json=False, dry_run=False):
+    """Apply the series for the installed speculators as one transaction per host (all or nothing)."""
+    _patch_op("plan" if dry_run else "apply", inventory, hosts, json)
+
+
+@task(name="rollback", help=COMMON_HELP | {
+    "force": "restore the backups even over files edited since apply",
+    "reinstall": "last resort: reinstall the pristine wheel with pip (--force-reinstall --no-deps)"})
+@clean_errors
+def patch_rollback(c, inventory=None, hosts=None, json=False, force=False, reinstall=False):
+    """Restore byte-identical pristine files (checked against pip's RECORD)."""
+    _patch_op("rollback", inventory, hosts, json, force=force, reinstall=reinstall)
+
+
 ns = Collection()
 ns.add_task(audit)
+ns.add_task(setup)
+ns.add_task(pipeline)
 ns.add_collection(Collection("hosts", trust))
+ns.add_collection(Collection("patch", patch_status, patch_apply, patch_rollback))

@@ -258,12 +258,14 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 # ------------------------------------------------------------------------------------------------
 # running on hosts
 
-def run_op(inv, hosts, op: str, workers: int = 8, **extra) -> dict[str, Any]:
-    """Run patchtool ``op`` on every host in parallel: one SSH round trip per host."""
+def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> dict[str, Any]:
+    """Run patchtool ``op`` on every host in parallel: one SSH round trip per host.
+
+    ``root`` is another patches/ tree (tests); ``extra`` goes into the spec (force, reinstall...)."""
     from harness.connection import open_host
     from harness.parallel import on_hosts
 
-    payload = build_payload()
+    payload = build_payload(root=root)
 
     def one(host):
         spec = {"op": op, "package": "speculators", "series": payload, "workdir": host.workdir,
@@ -286,8 +288,8 @@ def failures(results: dict[str, Any]) -> list[str]:
 def as_json(results: dict[str, Any]) -> dict[str, Any]:
     from harness.parallel import HostFailure
 
-    return {h: ({"ok": False, "error": str(r.error) if hasattr(r, "error") else str(r)}
-                if isinstance(r, HostFailure) else r) for h, r in results.items()}
+    return {h: ({"ok": False, "state": r.kind, "error": r.message} if isinstance(r, HostFailure) else r)
+            for h, r in results.items()}
 
 
 _STYLE = {"applied": "green", "not needed": "dim", "pristine": "yellow", "applied by hand": "cyan",
@@ -300,7 +302,7 @@ def render(results: dict[str, Any], console: Console, op: str) -> None:
 
     for host, r in results.items():
         if isinstance(r, HostFailure):
-            console.print(f"[red]{escape(host)}: {escape(str(getattr(r, 'error', r)))}[/red]")
+            console.print(f"[red]{escape(host)}: {escape(r.kind)}: {escape(r.message)}[/red]")
             continue
         if not r.get("ok"):
             console.print(f"[red]{escape(host)}: {escape(r.get('state', 'refused'))}: {escape(r.get('error', ''))}[/red]")
@@ -315,13 +317,14 @@ def render(results: dict[str, Any], console: Console, op: str) -> None:
             console.print(f"[bold]{escape(host)}[/bold]: {escape(r['message'])}{escape(extra)}")
             continue
         table = Table(title=f"{host}: speculators {r['installed']} ({r['site']})", title_justify="left")
-        table.add_column("patch")
-        table.add_column("state")
+        table.add_column("patch", no_wrap=True)
+        table.add_column("fixes")
+        table.add_column("state", no_wrap=True)
         table.add_column("detail")
         for p in r["patches"]:
             style = _STYLE.get(p["state"], "")
-            table.add_row(escape(f"{p['name']}  {p['title']}"), f"[{style}]{escape(p['state'])}[/{style}]" if style else p["state"],
-                          escape(p["detail"]))
+            state = f"[{style}]{escape(p['state'])}[/{style}]" if style else escape(p["state"])
+            table.add_row(escape(p["name"][:4]), escape(p["title"]), state, escape(p["detail"]))
         console.print(table)
         if r.get("interrupted"):
             console.print(f"[yellow]{escape(host)}: an interrupted {escape(r['interrupted'])} is pending; "
