@@ -23,16 +23,33 @@ NCCL_DISTS = ["nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11", "nvidi
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL", re.I)
 
 
-def _version(dist_name):
-    try:
-        return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        return None
+def _normalize(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_versions():
+    """{normalized name: version} of every distribution on sys.path, from one listing of each
+    site directory (``<name>-<version>.dist-info``): ~1 ms, where asking importlib.metadata name by
+    name rescans every directory each time."""
+    found = {}
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for n in names:
+            if n.endswith((".dist-info", ".egg-info")):
+                stem = n.rsplit(".", 1)[0]
+                name, _, version = stem.partition("-")
+                if version:
+                    found.setdefault(_normalize(name), version.split("-py")[0])
+    return found
 
 
 def packages():
-    found = {name: _version(name) for name in PACKAGES}
-    found["nccl"] = next((v for v in map(_version, NCCL_DISTS) if v), None)
+    have = installed_versions()
+    found = {name: have.get(_normalize(name)) for name in PACKAGES}
+    found["nccl"] = next((have[_normalize(d)] for d in NCCL_DISTS if _normalize(d) in have), None)
     return found
 
 
