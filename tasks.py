@@ -137,9 +137,133 @@ def patch_rollback(c, inventory=None, hosts=None, json=False, force=False, reins
     _patch_op("rollback", inventory, hosts, json, force=force, reinstall=reinstall)
 
 
+# --- env, stage, runs, pull: environment files and detached stage runs (harness/runcli.py) ---------------
+import os  # noqa: E402
+
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from harness import runcli as _runcli  # noqa: E402
+from harness.cli import stderr  # noqa: E402
+from harness.runs import stages as _stage_names  # noqa: E402
+
+
+@task(name="render", help=COMMON_HELP | {"diff": "show the difference from the env file of the host's last run"})
+@clean_errors
+def env_render(c, inventory=None, hosts=None, json=False, diff=False):
+    """Print each host's rendered env file (profile + inventory env + secrets, secrets masked)."""
+    inv, selected = load(inventory, hosts)
+    res = _runcli.env_render(inv, selected, diff, stdout if not json else Console(file=open(os.devnull, "w")), stderr)
+    if json:
+        emit_json(res)
+
+
+@task(name="lint", help=COMMON_HELP | {"offline": "check names and values only; do not ask the hosts for facts"})
+@clean_errors
+def env_lint(c, inventory=None, hosts=None, json=False, offline=False):
+    """Unknown NCCL_/VLLM_/CUDA_ names, values the host contradicts, missing template variables."""
+    inv, selected = load(inventory, hosts)
+    res, problems = _runcli.env_lint(inv, selected, offline)
+    if json:
+        emit_json(res)
+    else:
+        for line in problems:
+            stderr.print(f"[red]error:[/] {escape(line)}")
+        if not problems:
+            stdout.print(f"env.lint: {len(selected)} host(s), no problems")
+    if problems:
+        raise Exit(f"env.lint: {len(problems)} problem(s)", code=1)
+
+
+def _stage_task(name):
+    def body(c, inventory=None, hosts=None, json=False, run_id=None, inputs=None, gpu="auto", follow=True,
+             pull=False, dest=None):
+        inv, selected = load(inventory, hosts)
+        res = _runcli.stage_run(inv, selected, name, run_id=run_id, inputs=inputs, gpu=gpu, follow=follow,
+                                pull=pull, dest=dest, err=stderr)
+        if json:
+            emit_json(_runcli.as_jsonable(res))
+    body.__name__ = body.__qualname__ = f"stage_{name}"
+    body.__doc__ = f"Run stage '{name}' (remote/stages/{name}.py) detached on the host, following its progress."
+    return task(name=name, help=COMMON_HELP | {
+        "run_id": "run id (default: <stage>-<time>-<random>); a finished run with this id is not run again",
+        "inputs": "upstream runs as STAGE=RUN_ID[,STAGE=RUN_ID]",
+        "gpu": "GPU guard (service stop/start, free-GPU wait, host lock): auto (host has GPUs), on, off",
+        "follow": "follow the log until the run ends (--no-follow: launch and return)",
+        "pull": "pull the artifacts when the run has succeeded", "dest": "pull destination (default runs/<run-id>)",
+    })(clean_errors(body))
+
+
+@task(name="list", help=COMMON_HELP)
+@clean_errors
+def runs_list(c, inventory=None, hosts=None, json=False):
+    """The runs on each host with their state, times and exit code."""
+    inv, selected = load(inventory, hosts)
+    res = _runcli.runs_list(inv, selected)
+    emit_json(_runcli.as_jsonable(res)) if json else _runcli.render_list(res, stdout)
+
+
+@task(name="status", help=COMMON_HELP | {"run": "the run id"})
+@clean_errors
+def runs_status(c, run, inventory=None, hosts=None, json=False):
+    """One run's status: state, pid, boot id, times, exit code, GPU guard outcome."""
+    inv, selected = load(inventory, hosts)
+    res = _runcli.runs_status(inv, selected, run)
+    emit_json(_runcli.as_jsonable(res)) if json else _runcli.render_status(res, stdout)
+
+
+@task(name="logs", help=COMMON_HELP | {"run": "the run id",
+                                       "follow": "keep following until the run ends; reattaches where it left off"})
+@clean_errors
+def runs_logs(c, run, inventory=None, hosts=None, json=False, follow=False):
+    """Print a run's log (secrets masked); --follow streams it live with progress."""
+    inv, selected = load(inventory, hosts)
+    if json:
+        emit_json(_runcli.runs_log_texts(inv, selected, run))
+    else:
+        _runcli.runs_logs(inv, selected, run, follow, stdout, stderr)
+
+
+@task(name="stop", help=COMMON_HELP | {"run": "the run id", "grace": "seconds between TERM and KILL (default 10)"})
+@clean_errors
+def runs_stop(c, run, inventory=None, hosts=None, json=False, grace=10.0):
+    """Stop a run's whole process group; the wrapper still restores the service."""
+    inv, selected = load(inventory, hosts)
+    res = _runcli.runs_stop(inv, selected, run, float(grace))
+    if json:
+        emit_json(_runcli.as_jsonable(res))
+    else:
+        for host, r in res.items():
+            st = r.get("status", {}) if isinstance(r, dict) else {}
+            stdout.print(f"{host}: run {run} {st.get('state', '?')}" + (" (killed after grace)" if r.get("killed") else "")
+                         if isinstance(r, dict) else f"{host}: {r.message}")
+
+
+@task(help=COMMON_HELP | {"run": "the run id", "dest": "destination directory (default runs/<run-id>)",
+                          "all": "also pull large intermediates (e.g. hidden states)",
+                          "include": "comma-separated globs to pull even if they are intermediates",
+                          "method": "auto (rsync, else SFTP), rsync or sftp"})
+@clean_errors
+def pull(c, run, inventory=None, hosts=None, json=False, dest=None, all=False, include=None, method="auto"):
+    """Pull a run's artifacts, resumable, each file verified against SHA256SUMS before it is placed."""
+    inv, selected = load(inventory, hosts)
+    res = _runcli.pull_runs(inv, selected, run, dest, all, include, method, not json, stderr)
+    if json:
+        emit_json(_runcli.as_jsonable(res))
+    else:
+        for host, r in res.items():
+            stdout.print(f"{host}: {len(r['files'])} file(s), {r['bytes'] / 1e6:.1f} MB verified in {r['dest']}"
+                         f" ({r['rate_mb_s']} MB/s via {r['method']})"
+                         + (f"; left on host: {len(r['left_on_host'])} intermediate(s)" if r["left_on_host"] else ""))
+
+
 ns = Collection()
 ns.add_task(audit)
 ns.add_task(setup)
 ns.add_task(pipeline)
 ns.add_collection(Collection("hosts", trust))
 ns.add_collection(Collection("patch", patch_status, patch_apply, patch_rollback))
+ns.add_collection(Collection("env", env_render, env_lint))
+ns.add_collection(Collection("stage", *[_stage_task(n) for n in _stage_names()]))
+ns.add_collection(Collection("runs", runs_list, runs_status, runs_logs, runs_stop))
+ns.add_task(pull)

@@ -49,9 +49,22 @@ def local_runs_dir() -> Path:
 
 
 def stages(code_root: Path | None = None) -> list[str]:
-    """Every stage module under remote/stages/ (what ``inv stage.<name>`` offers)."""
+    """Every stage module under remote/stages/ (what ``inv stage.<name>`` offers): a module with a
+    top-level ``main`` function; helpers (``common.py``) have none. Read with ast, never imported."""
+    import ast
+
     d = (code_root or REMOTE_DIR) / "stages"
-    return sorted(p.stem for p in d.glob("*.py") if not p.name.startswith("_")) if d.is_dir() else []
+    out = []
+    for p in sorted(d.glob("*.py")) if d.is_dir() else []:
+        if p.name.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(p.read_text())
+        except SyntaxError:
+            continue
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            out.append(p.stem)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,8 +191,16 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
 # ---------------------------------------------------------------------------------------------------
 # reading and stopping
 
-def status(conn: HostConnection, run_id: str) -> dict:
-    return _runctl(conn, "status", run_id=check_run_id(run_id))
+def status(conn: HostConnection, run_id: str, missing_ok: bool = False) -> dict:
+    """The run's status.json (plus ``result`` once it succeeded, ``log_size``, ``run_dir``); a run that
+    claims to be active but whose wrapper is gone reads as ``lost``. ``missing_ok``: an unknown run
+    gives ``{"state": "absent"}`` instead of an error."""
+    try:
+        return _runctl(conn, "status", run_id=check_run_id(run_id))
+    except HarnessError as e:
+        if missing_ok and f"no run {run_id} " in str(e):
+            return {"run_id": run_id, "state": "absent"}
+        raise
 
 
 def list_runs(conn: HostConnection) -> list[dict]:
@@ -334,6 +355,8 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
             try:
                 res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
                                 on_stdout=lambda l: handle(l, view))
+                if res.rc == -1 and not final:  # the channel closed without an exit status: link lost
+                    raise HostUnreachable(f"host {conn.name}: connection lost")
                 lost_since = None
                 if res.rc != 0 and not final:
                     tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
@@ -369,7 +392,7 @@ def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id
               inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
               progress: bool = True, console=None, pull: bool = False, dest: Path | None = None,
               pull_all: bool = False, code_root: Path | None = None, environ: dict | None = None,
-              poll_interval: float = 2.0) -> dict:
+              poll_interval: float = 2.0, on_line: Callable[[str], None] | None = None) -> dict:
     """Launch ``stage``, follow it to the end with live progress, raise ``HarnessError`` if it did not
     succeed, optionally pull its artifacts; returns the final status plus ``result`` (result.json) and
     ``pulled`` (the local directory) when pulled."""
@@ -377,7 +400,7 @@ def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id
                environ=environ, poll_interval=poll_interval)
     masker = Masker(secret_values(inv, environ))
     st = h.status if (not h.launched and h.status.get("state") in FINAL) else \
-        follow(conn, h.run_id, progress=progress, console=console, masker=masker)
+        follow(conn, h.run_id, progress=progress, console=console, masker=masker, on_line=on_line)
     if st.get("state") != "succeeded":
         raise HarnessError(f"host {conn.name}: {describe_failure(st)}; see: inv runs.logs {h.run_id} --hosts {conn.name}")
     if st.get("service", {}).get("healthy") is False:

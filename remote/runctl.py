@@ -111,6 +111,8 @@ def read_status(rdir):
     log = os.path.join(rdir, "run.log")
     st["log_size"] = os.path.getsize(log) if os.path.exists(log) else 0
     st["run_dir"] = rdir
+    if st.get("state") == "succeeded":
+        st["result"] = read_json(os.path.join(rdir, "result.json"))
     return st
 
 

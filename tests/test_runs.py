@@ -1,0 +1,179 @@
+"""Detached runs over a real loopback sshd: launch cost, idempotence, exit codes, a run that outlives
+its SSH connection, log reattach at the right offset, runs.stop, secret masking in the log."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_inv, write_inventory
+from runs_support import code_root, drop_connections, pid_alive, wait_for
+from harness import runs
+from harness.connection import open_host
+from harness.errors import HarnessError
+from harness.inventory import load_inventory
+
+
+@pytest.fixture
+def host(sshd, tmp_path):
+    """(inventory, connection factory, code root) for the shared loopback host, own workdir."""
+    inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry(workdir=str(tmp_path / "wd"))},
+                                         secrets=["HF_TOKEN"]))
+    conns = []
+
+    def connect():
+        c = open_host(inv.hosts["gpu1"], inv)
+        conns.append(c)
+        return c
+
+    yield inv, connect, code_root(tmp_path)
+    for c in conns:
+        c.close()
+
+
+ENV = {"HF_TOKEN": "hf_TopSecretValue123"}
+
+
+def test_launch_runs_detached_and_records_everything(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    h = runs.launch(conn, inv, "teststage", run_id="t1", extra={"lines": 3, "files": {"a.bin": 1000}},
+                    code_root=code, environ=ENV)
+    assert h.launched and h.code_uploaded and h.round_trips == 2  # new code: ask, then send it
+    st = runs.follow(conn, "t1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    assert st["state"] == "succeeded" and st["exit_code"] == 0
+    rd = Path(st["run_dir"])
+    assert st["pid"] and st["pid_start"] and len(st["boot_id"]) >= 32 and st["started_at"] and st["ended_at"]
+    assert json.loads((rd / "result.json").read_text())["lines"] == 3
+    assert (rd / "env").stat().st_mode & 0o777 == 0o600
+    sums = (rd / "artifacts" / "SHA256SUMS").read_text()
+    import hashlib
+    assert sums == hashlib.sha256((rd / "artifacts" / "a.bin").read_bytes()).hexdigest() + "  a.bin\n"
+    spec = json.loads((rd / "spec.json").read_text())
+    assert spec["stage"] == "teststage" and spec["run_dir"] == str(rd) and spec["pipeline"]["samples"] >= 1
+    assert Path(spec["code_dir"]).name == runs.code_bundle(code)[0]
+
+    # the bar: code unchanged -> launch-to-running in at most 2 round trips (here: 1)
+    h2 = runs.launch(conn, inv, "teststage", run_id="t2", code_root=code, environ=ENV)
+    assert h2.launched and not h2.code_uploaded
+    assert h2.round_trips <= 2 and h2.round_trips == 1
+    assert h2.status["state"] in ("running", "hashing", "succeeded")
+
+
+def test_run_id_makes_launch_idempotent(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="idem", code_root=code, environ=ENV)
+    st = runs.follow(conn, "idem", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    assert st["state"] == "succeeded"
+    again = runs.launch(conn, inv, "teststage", run_id="idem", code_root=code, environ=ENV)
+    assert not again.launched and again.reason == "already succeeded" and again.status["attempt"] == 1
+    with pytest.raises(HarnessError, match="different spec"):
+        runs.launch(conn, inv, "teststage", run_id="idem", extra={"lines": 9}, code_root=code, environ=ENV)
+
+    runs.launch(conn, inv, "teststage", run_id="bad", extra={"exit": 3}, code_root=code, environ=ENV)
+    st = runs.follow(conn, "bad", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    assert st["state"] == "failed" and st["attempt"] == 1
+    retry = runs.launch(conn, inv, "teststage", run_id="bad", extra={"exit": 3}, code_root=code, environ=ENV)
+    assert retry.launched  # a failed run is started again, as attempt 2, its first log kept
+    st = runs.follow(conn, "bad", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    assert st["attempt"] == 2
+    assert (Path(st["run_dir"]) / "attempts" / "1" / "run.log").exists()
+
+
+def test_failing_stage_exit_code_surfaced(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    with pytest.raises(HarnessError, match=r"run f1 failed.*exit code 7"):
+        runs.run_stage(conn, inv, "teststage", run_id="f1", extra={"exit": 7}, code_root=code, environ=ENV,
+                       progress=False)
+    st = runs.status(conn, "f1")
+    assert st["state"] == "failed" and st["exit_code"] == 7
+    # and through the CLI, as a user sees it
+    r = run_inv("runs.status", "f1", "--json", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpu1"]["exit_code"] == 7
+    r = run_inv("runs.logs", "f1", "--inventory", inv.source)
+    assert "failing on purpose with exit code 7" in r.stdout
+
+
+def test_stage_outlives_its_connection_and_logs_resume_at_offset(host, sshd, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="long", extra={"lines": 40, "delay": 0.1}, code_root=code,
+                environ=ENV)
+    seen: list[str] = []
+    errors: list[Exception] = []
+
+    def watch():
+        try:
+            runs.follow(conn, "long", progress=False, base=tmp_path / "runs", on_line=seen.append, reconnect_s=0)
+        except HarnessError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    wait_for(lambda: sum(l.startswith("line ") for l in seen) >= 5)
+    assert drop_connections(sshd) >= 1  # the workstation's link is gone, and sshd restarted
+    t.join(20)
+    assert errors and "link lost" in str(errors[0]) and "runs.logs long --follow" in str(errors[0])
+    first = list(seen)
+    assert not any("run long succeeded" in l for l in first)  # it was cut mid-run
+
+    # reattach on a new connection: continues exactly where the first follow stopped
+    conn2 = connect()
+    rest: list[str] = []
+    st = runs.follow(conn2, "long", progress=False, base=tmp_path / "runs", on_line=rest.append)
+    assert st["state"] == "succeeded"  # the run went on while nobody was connected
+    lines = [l for l in first + rest if l.startswith("line ")]
+    assert lines == [f"line {i} of 40" for i in range(1, 41)]  # no gap, no repeat
+    full, _, _ = runs.read_log(conn2, "long")
+    mirror = (tmp_path / "runs" / "long" / "run.gpu1.log").read_text()
+    assert mirror == full
+
+
+def test_runs_stop_ends_the_whole_process_group(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="stopme", extra={"child": True, "sleep": 120}, code_root=code,
+                environ=ENV)
+    rd = tmp_path / "wd" / "runs" / "stopme"
+    child = int(wait_for(lambda: (rd / "child.pid").exists() and (rd / "child.pid").read_text()))
+    stage_pid = runs.status(conn, "stopme")["stage_pid"]
+    assert pid_alive(child) and pid_alive(stage_pid)
+    r = run_inv("runs.stop", "stopme", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    st = wait_for(lambda: (s := runs.status(conn, "stopme"))["state"] in runs.FINAL and s)
+    assert st["state"] == "stopped"
+    assert not pid_alive(stage_pid) and not pid_alive(child)  # the stage's child went with the group
+
+
+def test_secret_never_reaches_log_or_output(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    seen: list[str] = []
+    runs.launch(conn, inv, "teststage", run_id="sec", extra={"print_env": "HF_TOKEN"}, code_root=code, environ=ENV)
+    runs.follow(conn, "sec", progress=False, base=tmp_path / "runs", on_line=seen.append)
+    log = (tmp_path / "wd" / "runs" / "sec" / "run.log").read_text()
+    assert "env HF_TOKEN=****" in log  # the stage saw it, the log on the host shows it masked
+    assert ENV["HF_TOKEN"] not in log and ENV["HF_TOKEN"] not in "\n".join(seen)
+    assert ENV["HF_TOKEN"] in (tmp_path / "wd" / "runs" / "sec" / "env").read_text()  # 0600, host only
+    r = run_inv("runs.logs", "sec", "--inventory", inv.source, env=ENV)
+    assert "env HF_TOKEN=****" in r.stdout and ENV["HF_TOKEN"] not in r.stdout + r.stderr
+
+
+def test_list_and_bad_run_id(host, tmp_path):
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="l1", code_root=code, environ=ENV)
+    runs.follow(conn, "l1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    r = run_inv("runs.list", "--json", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    assert [x["run_id"] for x in json.loads(r.stdout)["gpu1"]] == ["l1"]
+    r = run_inv("runs.status", "nope", "--inventory", inv.source)
+    assert r.returncode != 0 and "no run nope" in r.stderr and "Traceback" not in r.stderr
+    r = run_inv("runs.status", "../etc", "--inventory", inv.source)
+    assert r.returncode != 0 and "bad run id" in r.stderr
