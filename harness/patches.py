@@ -271,7 +271,14 @@ def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **ex
         spec = {"op": op, "package": "speculators", "series": payload, "workdir": host.workdir,
                 "facts": {"profile": host.profile}, **extra}
         with open_host(host, inv) as conn:
-            result = conn.run_script("patchtool", spec)
+            try:
+                result = conn.run_script("patchtool", spec)
+            except HarnessError as e:
+                if op not in ("apply", "rollback"):
+                    raise
+                # no answer: the host finishes (or discards) the transaction on its own, journal-backed
+                raise HarnessError(f"{e}; no result came back (link dropped?): the host completes the {op} "
+                                   "on its own or the next call does; check with inv patch.status")
             result["round_trips"] = conn.round_trips
         return result
 

@@ -1,0 +1,546 @@
+"""The patch lifecycle over real sshd, against speculators installed from PyPI and vLLM's real sources.
+
+Each "host" python is a venv with speculators 0.3.0 / 0.4.0.1 installed from PyPI (--no-deps) and,
+where a test needs vLLM 0.16 on the host, the .py files of the real vLLM wheel installed into its
+site-packages with the wheel's dist-info (vLLM cannot run here, only its sources and metadata matter).
+"""
+from __future__ import annotations
+
+import hashlib
+import base64
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import CACHE, REPO, make_venv, run_inv, write_inventory
+from harness import PATCHES_DIR
+from harness import patches as hp
+from harness.connection import open_host
+from harness.inventory import load_inventory
+from harness.parallel import HostFailure
+
+HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
+GEN = "speculators/data_generation/vllm_hidden_states_generator.py"
+WRK = "speculators/data_generation/custom_worker.py"
+
+
+# ------------------------------------------------------------------------------------------------
+# real packages, cached per machine
+
+def wheel(name: str, version: str) -> Path:
+    d = CACHE / "wheels"
+    found = sorted(d.glob(f"{name}-{version}-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d),
+                        f"{name}=={version}"], check=True)
+        found = sorted(d.glob(f"{name}-{version}-*.whl"))
+    return found[0]
+
+
+def vllm_tree(version: str) -> Path:
+    """The real vLLM wheel's .py files and dist-info, unpacked once (a dir holding ``vllm/``)."""
+    root = CACHE / "unpacked" / f"vllm-{version}"
+    if not (root / ".complete").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        with zipfile.ZipFile(wheel("vllm", version)) as zf:
+            for n in zf.namelist():
+                if n.endswith(".py") or ".dist-info/" in n:
+                    zf.extract(n, root)
+        (root / ".complete").touch()
+    return root
+
+
+def site_packages(py: Path) -> Path:
+    out = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out)
+
+
+def install_vllm_sources(py: Path, version: str) -> None:
+    """vLLM 'installed' on the host as its wheel's python files + metadata (symlinked from the cache)."""
+    tree, site = vllm_tree(version), site_packages(py)
+    (site / "vllm").symlink_to(tree / "vllm", target_is_directory=True)
+    for d in tree.glob("vllm-*.dist-info"):
+        shutil.copytree(d, site / d.name)
+
+
+_TEMPLATES: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def env_template(tmp_path_factory):
+    """Venv templates made once per session (pip from PyPI), copied per test (a copy is cheap)."""
+    def get(version: str, vllm: str | None, system_site: bool) -> Path:
+        key = (version, vllm, system_site)
+        if key not in _TEMPLATES:
+            d = tmp_path_factory.mktemp(f"tmpl-{version}-{vllm}-{int(system_site)}") / "venv"
+            args = ["--no-deps", f"speculators=={version}"]
+            if system_site:
+                args.insert(1, "--ignore-installed")  # shadow the runner's own speculators
+            make_venv(d, *args, system_site_packages=system_site)
+            if vllm:
+                install_vllm_sources(d / "bin" / "python", vllm)
+            _TEMPLATES[key] = d
+        return _TEMPLATES[key]
+    return get
+
+
+@pytest.fixture
+def host_env(env_template, tmp_path):
+    """``make(version, vllm=None, system_site=False) -> python``: a fresh host environment for this test."""
+    def make(version: str = "0.3.0", vllm: str | None = "0.16.0", system_site: bool = False) -> Path:
+        dst = tmp_path / f"venv-{version}"
+        shutil.copytree(env_template(version, vllm, system_site), dst, symlinks=True)
+        return dst / "bin" / "python"
+    return make
+
+
+def record_of(py: Path) -> dict[str, str]:
+    site = site_packages(py)
+    rec = next(site.glob("speculators-*.dist-info")) / "RECORD"
+    out = {}
+    for line in rec.read_text().splitlines():
+        path, h, _ = line.rsplit(",", 2)
+        if h.startswith("sha256="):
+            out[path] = h[len("sha256="):]
+    return out
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def record_exact(py: Path) -> list[str]:
+    """Files of the installed speculators that differ from pip's RECORD (empty = pristine)."""
+    site = site_packages(py)
+    return [p for p, h in record_of(py).items() if p.endswith(".py") and b64((site / p).read_bytes()) != h]
+
+
+def tree_digest(py: Path) -> str:
+    site = site_packages(py)
+    h = hashlib.sha256()
+    for p in sorted((site / "speculators").rglob("*.py")):
+        h.update(str(p).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def series_targets(version: str) -> dict[str, str]:
+    s = yaml.safe_load((PATCHES_DIR / "speculators" / version / "series.yaml").read_text())
+    out = {}
+    for p in s["patches"]:
+        for rel, h in p["files"].items():
+            out[rel] = h["after"]
+    return out
+
+
+def patch_cli(op: str, inv: Path, *extra: str) -> tuple[int, dict, str]:
+    r = run_inv(f"patch.{op}", "--json", "--inventory", str(inv), *extra)
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
+
+
+def states(result: dict) -> dict[str, str]:
+    return {p["name"][:4]: p["state"] for p in result["patches"]}
+
+
+def inventory_for(sshd, py: Path, tmp_path: Path, profile: str = "cpu") -> Path:
+    return write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py), workdir=str(tmp_path / "wd"),
+                                                         profile=profile)})
+
+
+# ------------------------------------------------------------------------------------------------
+# the series themselves
+
+def test_series_hashes_recompute_from_wheel_and_gnu_patch_agrees(tmp_path):
+    for version in ("0.3.0", "0.4.0.1"):
+        root = tmp_path / "patches"
+        shutil.copytree(PATCHES_DIR / "speculators" / version, root / "speculators" / version)
+        committed = (root / "speculators" / version / "series.yaml").read_text()
+        hp.refresh("speculators", version, wheel("speculators", version), root=root)
+        assert (root / "speculators" / version / "series.yaml").read_text() == committed
+        # GNU patch, no fuzz, on a pristine copy of the wheel's files, in series order
+        pristine = tmp_path / f"gnu-{version}"
+        with zipfile.ZipFile(wheel("speculators", version)) as zf:
+            zf.extractall(pristine)
+        series = hp.load_series(root / "speculators" / version / "series.yaml")
+        for p in series.patches:
+            r = subprocess.run(["patch", "-p0", "--fuzz=0", "--forward", "--no-backup-if-mismatch", "-i",
+                                str(PATCHES_DIR / "speculators" / version / p.file)], cwd=pristine,
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert "offset" not in r.stdout  # hunks land exactly where they say
+            for rel, h in p.files.items():
+                assert hashlib.sha256((pristine / rel).read_bytes()).hexdigest() == h.after, (p.file, rel)
+        for rel in series_targets(version):
+            r = subprocess.run([sys.executable, "-m", "py_compile", str(pristine / rel)], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+    assert len(hp.load_series(PATCHES_DIR / "speculators/0.3.0/series.yaml").patches) == 7
+
+
+def test_bad_series_yaml_names_file_field_and_line(tmp_path):
+    d = tmp_path / "speculators" / "0.3.0"
+    shutil.copytree(PATCHES_DIR / "speculators" / "0.3.0", d)
+    text = (d / "series.yaml").read_text().replace("present: is_encoder_decoder=False", "presnt: x", 1)
+    (d / "series.yaml").write_text(text)
+    with pytest.raises(hp.HarnessError) as e:
+        hp.load_series(d / "series.yaml")
+    msg = str(e.value)
+    assert "series.yaml:" in msg and "presnt" in msg and "\n" not in msg
+    line = int(re.search(r"series\.yaml:(\d+):", msg).group(1))
+    assert "presnt" in text.splitlines()[line - 1] or "checks" in text.splitlines()[line - 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# status, dry run, apply, re-apply, rollback over real sshd
+
+def test_apply_reapply_rollback_round_trip(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(sshd, py, tmp_path)
+    before = tree_digest(py)
+
+    rc, st, err = patch_cli("status", inv)
+    assert rc == 0, err
+    h = st["gpu1"]
+    assert h["installed"] == "0.3.0" and h["facts"]["vllm"] == "0.16.0"
+    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 7
+    assert h["round_trips"] == 1
+
+    rc, plan, err = patch_cli("apply", inv, "--dry-run")
+    assert rc == 0, err
+    assert plan["gpu1"]["would_apply"][0].startswith("0001") and len(plan["gpu1"]["would_apply"]) == 7
+    assert "+            model_path, trust_remote_code=True" in plan["gpu1"]["diff"]
+    assert tree_digest(py) == before  # a dry run changes nothing
+
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert ap["gpu1"]["changed"] is True and len(ap["gpu1"]["applied"]) == 7
+    assert ap["gpu1"]["round_trips"] == 1
+    site = site_packages(py)
+    for rel, want in series_targets("0.3.0").items():
+        assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
+        r = subprocess.run([str(py), "-m", "py_compile", str(site / rel)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr  # patched files compile on the host's python
+    envdir = next((tmp_path / "wd" / "patches").iterdir())
+    manifest = json.loads((envdir / "manifest.json").read_text())
+    assert manifest["version"] == "0.3.0" and len(manifest["applied"]) == 7
+    assert not (envdir / "journal.json").exists()
+    rec = record_of(py)
+    for rel in manifest["files"]:  # byte-exact pristine backups
+        assert b64((envdir / "backup" / rel).read_bytes()) == rec[rel]
+
+    rc, st, err = patch_cli("status", inv)
+    assert set(states(st["gpu1"]).values()) == {"applied"}
+
+    patched = tree_digest(py)
+    rc, again, err = patch_cli("apply", inv)
+    assert rc == 0 and again["gpu1"]["changed"] is False
+    assert "nothing changed" in again["gpu1"]["message"]
+    assert tree_digest(py) == patched
+
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0, err
+    assert rb["gpu1"]["changed"] is True and len(rb["gpu1"]["restored"]) == 4
+    assert rb["gpu1"]["round_trips"] == 1
+    assert record_exact(py) == [] and tree_digest(py) == before
+    assert not (envdir / "manifest.json").exists()
+    rc, st, err = patch_cli("status", inv)
+    assert set(states(st["gpu1"]).values()) == {"pristine"}
+
+
+def test_conditions_select_patches_by_facts(sshd, host_env, tmp_path):
+    """Without vLLM >= 0.12 on the host and on a GPU profile, only the unconditional patches apply."""
+    py = host_env("0.3.0", vllm="0.11.0")
+    inv = inventory_for(sshd, py, tmp_path, profile="pcie-blackwell")
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert [n[:4] for n in ap["gpu1"]["applied"]] == ["0001", "0002", "0006"]
+    s = states(ap["gpu1"])
+    assert s["0003"] == s["0004"] == s["0005"] == s["0007"] == "not needed"
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0 and record_exact(py) == []
+
+
+def test_0401_needs_only_the_tokenizer_patch(sshd, host_env, tmp_path):
+    py = host_env("0.4.0.1", vllm="0.16.0")
+    inv = inventory_for(sshd, py, tmp_path)
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert ap["gpu1"]["applied"] == ["0001-tokenizer-trust-remote-code"]
+    text = (site_packages(py) / GEN).read_text()
+    assert "AutoTokenizer.from_pretrained(\n            model_path, trust_remote_code=True\n" in text
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0 and record_exact(py) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# hand edits, drift, corrupted hunks, unknown versions
+
+def test_manual_sed_fix_reported_applied_by_hand(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(sshd, py, tmp_path)
+    target = site_packages(py) / GEN
+    inv_obj = load_inventory(inv)
+    with open_host(inv_obj.hosts["gpu1"], inv_obj) as conn:  # the seed's fix, by hand on the host
+        r = conn.exec("sed -i 's/AutoTokenizer.from_pretrained(model_path)/"
+                      "AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)/' " + str(target))
+        assert r.rc == 0, r.stderr
+    rc, st, err = patch_cli("status", inv)
+    s = states(st["gpu1"])
+    assert s["0001"] == "applied by hand"
+    assert s["0003"] == s["0004"] == s["0005"] == "drifted"  # same file, their fixes absent
+    assert s["0002"] == s["0006"] == s["0007"] == "pristine"
+
+    edited = tree_digest(py)
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 1
+    assert GEN in ap["gpu1"]["error"] and "0001" in ap["gpu1"]["error"] and "--reinstall" in ap["gpu1"]["error"]
+    assert tree_digest(py) == edited  # refused: nothing changed
+
+    rc, rb, err = patch_cli("rollback", inv)  # not ours: refused without --force
+    assert rc == 1 and GEN in rb["gpu1"]["error"]
+    rc, rb, err = patch_cli("rollback", inv, "--force", "--reinstall")
+    assert rc == 0, err
+    assert rb["gpu1"]["reinstalled"] is True and record_exact(py) == []
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0 and len(ap["gpu1"]["applied"]) == 7
+
+
+def test_file_edited_after_apply_refused_unless_forced(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(sshd, py, tmp_path)
+    assert patch_cli("apply", inv)[0] == 0
+    core = site_packages(py) / "speculators/models/eagle3/core.py"
+    core.write_text(core.read_text() + "# tuned by hand\n")
+    edited = tree_digest(py)
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 1 and "speculators/models/eagle3/core.py" in rb["gpu1"]["error"]
+    assert "--force" in rb["gpu1"]["error"] and tree_digest(py) == edited
+    rc, rb, err = patch_cli("rollback", inv, "--force")
+    assert rc == 0, err
+    assert rb["gpu1"]["forced"] == ["speculators/models/eagle3/core.py"]
+    assert record_exact(py) == []
+
+
+def test_corrupted_hunk_aborts_with_everything_unchanged(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(sshd, py, tmp_path)
+    root = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR, root)
+    p5 = root / "speculators/0.3.0/0005-step-protocol-per-request-prefill.patch"
+    text = p5.read_text()
+    bad = text.replace(" class HiddenStatesWorkerExtension", " class HiddenStatesWorkerExtensionX", 1)
+    bad = bad.replace("\n             for i, h in enumerate(aux_hidden_states):",
+                      "\n             for i, h in enumerate(aux_hidden_state):", 1)
+    assert bad != text
+    p5.write_text(bad)
+    before = tree_digest(py)
+    inv_obj = load_inventory(inv)
+    res = hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply", root=root)["gpu1"]
+    assert res["ok"] is False
+    err = res["error"]
+    assert "0005-step-protocol-per-request-prefill" in err and WRK in err and re.search(r"hunk #\d+ \(@@ -\d+", err)
+    assert "\n" not in err
+    assert tree_digest(py) == before and record_exact(py) == []
+    envdir = next((tmp_path / "wd" / "patches").iterdir())
+    assert not (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
+
+
+def test_version_without_series_refused_in_one_line(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm=None)
+    inv = inventory_for(sshd, py, tmp_path)
+    root = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR / "speculators" / "0.4.0.1", root / "speculators" / "0.4.0.1")
+    inv_obj = load_inventory(inv)
+    hosts = list(inv_obj.hosts.values())
+    for op in ("status", "apply", "rollback"):
+        res = hp.run_op(inv_obj, hosts, op, root=root)["gpu1"]
+        assert res["ok"] is False
+        assert "speculators 0.3.0 is installed" in res["error"] and "speculators 0.4.0.1" in res["error"]
+    assert record_exact(py) == []
+    assert all("\n" not in hp.run_op(inv_obj, hosts, "status", root=root)["gpu1"]["error"] for _ in (0,))
+
+
+# ------------------------------------------------------------------------------------------------
+# concurrency and a dying link
+
+@pytest.fixture(scope="module")
+def hooks_sshd(sshd_factory):
+    """A host whose sessions carry the env var that enables patchtool's test-only pauses."""
+    return sshd_factory("hooks", extra_config=[f"SetEnv {HOOKS_ENV}=1"])
+
+
+def _lock_pid(tmp_path: Path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for lock in (tmp_path / "wd" / "patches").glob("*/lock"):
+            txt = lock.read_text().strip()
+            if txt:
+                return int(txt)
+        time.sleep(0.05)
+    raise AssertionError("the apply never took its lock")
+
+
+def _wait_gone(pid: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.split(") ")[1].startswith("Z"):
+                return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"remote process {pid} did not finish")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().split(") ")[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _in_thread(fn):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_concurrent_apply_refused(hooks_sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv_obj = load_inventory(inventory_for(hooks_sshd, py, tmp_path))
+    hosts = list(inv_obj.hosts.values())
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_before_swap": 4})["gpu1"])
+    _lock_pid(tmp_path)
+    second = hp.run_op(inv_obj, hosts, "apply")["gpu1"]
+    assert second["ok"] is False and "another patch operation is running" in second["error"]
+    t.join(60)
+    assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 7
+
+
+def test_link_killed_during_apply_leaves_host_fully_applied(hooks_sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv_obj = load_inventory(inventory_for(hooks_sshd, py, tmp_path))
+    hosts = list(inv_obj.hosts.values())
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_before_swap": 3})["gpu1"])
+    remote_pid = _lock_pid(tmp_path)
+    for child in _children(hooks_sshd.proc.pid):  # the per-connection sshd: the link dies with it
+        os.kill(child, signal.SIGKILL)
+    os.kill(remote_pid, signal.SIGHUP)  # as a terminal hangup would
+    t.join(60)
+    assert isinstance(box["r"], HostFailure) and "patch.status" in box["r"].message  # the client saw it die
+    _wait_gone(remote_pid)
+    site = site_packages(py)
+    for rel, want in series_targets("0.3.0").items():  # the host finished the transaction on its own
+        assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
+    rc, st, err = patch_cli("status", inventory_for(hooks_sshd, py, tmp_path))
+    assert set(states(st["gpu1"]).values()) == {"applied"} and st["gpu1"]["interrupted"] is None
+
+
+def test_process_killed_mid_swap_is_completed_by_next_call(hooks_sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(hooks_sshd, py, tmp_path)
+    inv_obj = load_inventory(inv)
+    hosts = list(inv_obj.hosts.values())
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_mid_swap": 30})["gpu1"])
+    remote_pid = _lock_pid(tmp_path)
+    envdir = next((tmp_path / "wd" / "patches").iterdir())
+    site = site_packages(py)
+    targets = series_targets("0.3.0")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until the first file is swapped in
+        done = [rel for rel, want in targets.items() if hashlib.sha256((site / rel).read_bytes()).hexdigest() == want]
+        if done:
+            break
+        time.sleep(0.05)
+    assert len(done) == 1 and (envdir / "journal.json").exists()
+    os.kill(remote_pid, signal.SIGKILL)  # the host side dies mid-transaction
+    t.join(60)
+    rc, st, err = patch_cli("status", inv)
+    assert st["gpu1"]["interrupted"] == "apply"
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert "completed an interrupted apply" in ap["gpu1"]["recovered"]
+    for rel, want in targets.items():
+        assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
+    assert (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0 and record_exact(py) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# patch 7, for real: a training step of a tiny Eagle3 draft on CPU
+
+TRAIN_STEP = r'''
+import sys, tempfile, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import speculators
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+assert speculators.__file__.startswith(sys.prefix), speculators.__file__
+torch.manual_seed(0)
+H, V, DV, T = 32, 128, 64, 24
+cfg = LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=V, max_position_embeddings=128)
+verifier = tempfile.mkdtemp()
+LlamaForCausalLM(cfg).save_pretrained(verifier, safe_serialization=True)
+draft_cfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})
+draft_cfg._attn_implementation = "simple_flex_attention"  # what speculators' trainer selects
+config = Eagle3SpeculatorConfig(
+    transformer_layer_config=draft_cfg, draft_vocab_size=DV, norm_before_residual=True,
+    speculators_config=SpeculatorsConfig(
+        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=2)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=verifier, architectures=["LlamaForCausalLM"])))
+t2d = torch.zeros(V, dtype=torch.bool); t2d[:DV] = True
+model = Eagle3DraftModel(config, t2d=t2d, d2t=torch.zeros(DV, dtype=torch.long))
+params = [p for p in model.parameters() if p.requires_grad]
+before = [p.detach().clone() for p in params]
+opt = torch.optim.AdamW(params, lr=1e-2)
+_, loss, metrics = model(hidden_states=torch.randn(1, T, 3 * H), input_ids=torch.randint(0, V, (1, T)),
+                         lengths=torch.tensor([T // 2, T - T // 2]), loss_mask=torch.ones(1, T),
+                         verifier_last_hidden_states=torch.randn(1, T, H), ttt_steps=2)
+loss.backward()
+opt.step()
+moved = sum(not torch.equal(a, b.detach()) for a, b in zip(before, params))
+print("STEP-OK", float(loss), moved, len(params))
+'''
+
+
+def test_cpu_training_step_runs_after_patch_7(sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm=None, system_site=True)  # torch + transformers from the runner
+    script = tmp_path / "step.py"
+    script.write_text(TRAIN_STEP)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([str(py), str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode != 0 and "FlexAttention does not support backward on CPU" in r.stderr
+
+    inv = inventory_for(sshd, py, tmp_path, profile="cpu")
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert "0007-dense-sdpa-fallback-off-cuda" in ap["gpu1"]["applied"]
+    r = subprocess.run([str(py), str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("STEP-OK"))
+    _, loss, moved, total = line.split()
+    assert 0 < float(loss) < 100 and int(moved) == int(total) > 0
