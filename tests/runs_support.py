@@ -112,7 +112,9 @@ class StandInService:
                           f"nohup sleep 1000 >/dev/null 2>&1 & echo $! > {p}; echo $! > {s}")
         self.stop_cmd = (f"echo \"service-stop $(date +%s.%N)\" >> {m}; "
                          + (f"kill $(cat {p}); rm -f {s}" if stop_frees else "true"))
-        self.health_cmd = f"kill -0 $(cat {p}) && echo \"service-healthy $(date +%s.%N)\" >> {m}"
+        # alive and not a zombie (an ended server that nobody reaped yet must not count as healthy)
+        self.health_cmd = (f"ps -o stat= -p $(cat {p}) | grep -q '^[^Z]' && "
+                           f"echo \"service-healthy $(date +%s.%N)\" >> {m}")
 
     def spec(self, timeout: int = 20) -> dict:
         return {"stop": self.stop_cmd, "start": self.start_cmd, "health": self.health_cmd, "timeout": timeout}

@@ -1,0 +1,153 @@
+"""The GPU guard, done by the wrapper on the host: stop the service, wait for free GPUs (refuse on
+timeout), run the stage, always restart the service and wait for its health -- also when the stage
+fails, when it is stopped, and when the workstation is gone -- and the host lock.
+
+The host is a real sshd whose sessions have a stand-in ``nvidia-smi`` on PATH (a real script that
+answers nvidia-smi's queries from the PIDs of the stand-in service; see runs_support.py), because
+this machine has no GPU.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_inventory
+from runs_support import StandInService, code_root, drop_connections, pid_alive, wait_for
+from harness import runs
+from harness.connection import open_host
+from harness.inventory import load_inventory
+
+ENV = {"HF_TOKEN": "hf_guard_secret"}
+
+
+@pytest.fixture(scope="module")
+def gpu_sshd(sshd_factory, tmp_path_factory):
+    """A loopback host whose PATH has the stand-in GPU tool (as a host with the NVIDIA driver would)."""
+    root = tmp_path_factory.mktemp("gpuhost-tools")
+    bindir = root / "bin"
+    bindir.mkdir()
+    host = sshd_factory("gpuhost", extra_config=[f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin"])
+    return host, bindir
+
+
+@pytest.fixture
+def guarded(gpu_sshd, tmp_path):
+    """(inventory, connect, code, service) for a 2-GPU host whose stand-in service is running."""
+    host, bindir = gpu_sshd
+    made = []
+
+    def make(stop_frees=True, timeout=20, gpus=2):
+        svc = StandInService(tmp_path / "svc", gpus=gpus, stop_frees=stop_frees)
+        (bindir / "nvidia-smi").write_text((svc.bin / "nvidia-smi").read_text())
+        (bindir / "nvidia-smi").chmod(0o755)
+        inv = load_inventory(write_inventory(tmp_path, {"gpu1": host.entry(
+            workdir=str(tmp_path / "wd"), profile="pcie-blackwell", gpus=gpus, service=svc.spec(timeout))}))
+        svc.start_now()
+        made.append(svc)
+
+        def connect():
+            return open_host(inv.hosts["gpu1"], inv)
+        return inv, connect, code_root(tmp_path), svc
+
+    yield make
+    for svc in made:
+        svc.cleanup()
+
+
+def _follow(conn, rid, tmp_path):
+    return runs.follow(conn, rid, progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+
+
+def test_guard_stops_service_runs_stage_then_restores(guarded, tmp_path):
+    inv, connect, code, svc = guarded()
+    conn = connect()
+    first_server = int(svc.pidfile.read_text())
+    h = runs.launch(conn, inv, "teststage", run_id="g1", extra={"markers": str(svc.markers)}, code_root=code,
+                    environ=ENV, poll_interval=0.2)
+    assert h.status["gpu_guard"] is True
+    st = _follow(conn, "g1", tmp_path)
+    assert st["state"] == "succeeded"
+    assert svc.events() == ["service-start", "service-stop", "stage-start", "stage-end", "service-start",
+                            "service-healthy"]
+    assert st["service"] == {"stopped": True, "restarted": True, "healthy": True, "error": None}
+    assert not pid_alive(first_server) and pid_alive(int(svc.pidfile.read_text()))  # a new server runs
+    assert not (tmp_path / "wd" / "gpu.lock.owner").exists()  # lock released
+
+
+def test_guard_restores_service_when_stage_fails(guarded, tmp_path):
+    inv, connect, code, svc = guarded()
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="g2", extra={"markers": str(svc.markers), "exit": 5},
+                code_root=code, environ=ENV, poll_interval=0.2)
+    st = _follow(conn, "g2", tmp_path)
+    assert st["state"] == "failed" and st["exit_code"] == 5
+    assert svc.events()[-3:] == ["stage-end", "service-start", "service-healthy"]
+    assert st["service"]["healthy"] is True
+
+
+def test_guard_restores_service_when_workstation_is_gone(guarded, gpu_sshd, tmp_path):
+    inv, connect, code, svc = guarded()
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="g3", extra={"markers": str(svc.markers), "sleep": 2},
+                code_root=code, environ=ENV, poll_interval=0.2)
+    assert drop_connections(gpu_sshd[0]) >= 1  # nobody is watching from here on
+    conn.close()
+    wait_for(lambda: "service-healthy" in svc.events()[1:], timeout=60)
+    assert svc.events() == ["service-start", "service-stop", "stage-start", "stage-end", "service-start",
+                            "service-healthy"]
+    conn = connect()
+    st = wait_for(lambda: (s := runs.status(conn, "g3"))["state"] in runs.FINAL and s)
+    assert st["state"] == "succeeded"
+    conn.close()
+
+
+def test_guard_refuses_when_gpus_stay_busy(guarded, tmp_path):
+    inv, connect, code, svc = guarded(stop_frees=False, timeout=2)
+    conn = connect()
+    busy = svc.pidfile.read_text().strip()  # the server that stop.sh fails to end
+    runs.launch(conn, inv, "teststage", run_id="g4", extra={"markers": str(svc.markers)}, code_root=code,
+                environ=ENV, poll_interval=0.2)
+    st = _follow(conn, "g4", tmp_path)
+    assert st["state"] == "failed" and st["exit_code"] == 75
+    assert "GPUs still busy after 2s" in st["error"] and f"processes: {busy}" in st["error"]
+    assert "stage-start" not in svc.events()  # the stage never ran
+    assert svc.events()[-2:] == ["service-start", "service-healthy"]  # and the service was restored
+
+
+def test_host_lock_refuses_a_second_gpu_stage(guarded, tmp_path):
+    inv, connect, code, svc = guarded()
+    conn = connect()
+    a = runs.launch(conn, inv, "teststage", run_id="lockA", extra={"markers": str(svc.markers), "sleep": 60},
+                    code_root=code, environ=ENV, poll_interval=0.2)
+    wait_for(lambda: "stage-start" in svc.events())
+    b = runs.launch(conn, inv, "teststage", run_id="lockB", code_root=code, environ=ENV, poll_interval=0.2)
+    st = wait_for(lambda: (s := runs.status(conn, "lockB"))["state"] in runs.FINAL and s)
+    assert st["state"] == "failed" and st["exit_code"] == 75
+    assert "held by GPU stage run lockA" in st["error"] and "inv runs.stop lockA" in st["error"]
+    assert svc.events().count("service-stop") == 1  # the refused run did not touch the service
+    # a CPU-only stage does not need the lock
+    c = runs.launch(conn, inv, "teststage", run_id="cpuC", gpu=False, code_root=code, environ=ENV)
+    assert _follow(conn, "cpuC", tmp_path)["state"] == "succeeded"
+    # stopping the GPU run restores the service too
+    runs.stop(conn, "lockA", grace=5)
+    st = wait_for(lambda: (s := runs.status(conn, "lockA"))["state"] in runs.FINAL and s)
+    assert st["state"] == "stopped" and st["service"]["healthy"] is True
+    assert svc.events()[-2:] == ["service-start", "service-healthy"]
+    assert a.launched and b.launched and c.launched
+
+
+def test_guard_without_gpu_tool(sshd, tmp_path):
+    """No nvidia-smi on the host: fine for a host the inventory gives no GPUs, refused otherwise."""
+    code = code_root(tmp_path)
+    for gpus, want in ((0, "succeeded"), (2, "failed")):
+        inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(workdir=str(tmp_path / f"wd{gpus}"),
+                                                                        gpus=gpus)}))
+        with open_host(inv.hosts["h"], inv) as conn:
+            runs.launch(conn, inv, "teststage", run_id=f"n{gpus}", gpu=True, code_root=code, environ=ENV,
+                        poll_interval=0.2)
+            st = _follow(conn, f"n{gpus}", tmp_path)
+            log, _, _ = runs.read_log(conn, f"n{gpus}")
+        assert st["state"] == want
+        if gpus == 0:
+            assert "no GPU to wait for" in log
+        else:
+            assert "nvidia-smi not found on the host" in st["error"] and "gpus: 2" in st["error"]
