@@ -153,9 +153,17 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
             f"host {conn.name}: run {run_id}: artifact {rel} does not match SHA256SUMS (expected "
             f"{files[rel]['sha256'][:12]}..., got {got[:12]}...){more}; the file on the host changed after the run "
             f"wrote it. It was not placed in {dest}; rerun the stage or check the host's disk")
-    if not staging.exists() or not any(staging.iterdir()):
-        shutil.rmtree(staging, ignore_errors=True)
+    _prune(staging)
     return res
+
+
+def _prune(staging: Path) -> None:
+    """Remove the staging dir's empty folders (and itself when empty); partial files stay to resume."""
+    for d in sorted((p for p in staging.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    if staging.exists() and not any(staging.iterdir()):
+        staging.rmdir()
 
 
 def _verify_and_place(todo, files, staging: Path, dest: Path, digests: dict | None = None) -> list[tuple[str, str]]:
