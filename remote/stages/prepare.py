@@ -1,0 +1,178 @@
+"""Stage prepare: conversations -> chat-templated token ids with assistant-only loss masks.
+
+Reads ``pipeline.dataset`` (``builtin:<name>`` for ``remote/data/<name>.jsonl``, a local .jsonl/.json/
+.parquet file, or a hub dataset id with ``pipeline.dataset_split``), in ShareGPT form
+(``conversations: [{from, value}]``) or OpenAI form (``messages: [{role, content}]``). Shuffles with
+``pipeline.seed`` and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout``
+others whose prompts only go to evaluate (never trained on).
+
+With ``pipeline.regenerate`` every assistant turn is rewritten by the target itself (greedy, batched,
+``pipeline.max_new_tokens`` per turn): the draft then learns the distribution it will have to guess
+at serving time, not a third party's. Tokenisation and loss masks are speculators' own
+``build_eagle3_dataset`` (the tokenizer's chat template; mask = assistant content only), truncated
+to ``pipeline.max_seq_len``.
+
+Outputs: ``dataset/`` (datasets.save_to_disk: input_ids, loss_mask), ``conversations.jsonl`` (the
+text trained on, regenerated where asked), ``heldout.jsonl`` (prompts for evaluate).
+"""
+import json
+import random
+from pathlib import Path
+
+from stages import common
+
+STAGE = "prepare"
+
+
+def load_conversations(pipeline: dict) -> list[list[dict]]:
+    """The dataset's rows as role/content turn lists (speculators' normalisation of ShareGPT/OpenAI)."""
+    from datasets import load_dataset
+
+    _normalize_conversation = common.data_generation("preprocessing")._normalize_conversation
+
+    name = pipeline.get("dataset") or "builtin:prompts"
+    if name.startswith("builtin:"):
+        path = common.BUILTIN_DATA / (name.split(":", 1)[1] + ".jsonl")
+        if not path.is_file():
+            shipped = ", ".join("builtin:" + p.stem for p in sorted(common.BUILTIN_DATA.glob("*.jsonl")))
+            common.fail(STAGE, f"no built-in dataset {name!r} (shipped: {shipped}); fix pipeline.dataset")
+        rows = load_dataset("json", data_files=str(path), split="train")
+    elif name.endswith((".jsonl", ".json", ".parquet")) or Path(name).expanduser().exists():
+        path = Path(name).expanduser()
+        if not path.is_file():
+            common.fail(STAGE, f"dataset file not found: {path}; fix pipeline.dataset")
+        kind = "parquet" if path.suffix == ".parquet" else "json"
+        rows = load_dataset(kind, data_files=str(path), split="train")
+    else:
+        try:
+            rows = load_dataset(name, split=pipeline.get("dataset_split") or "train")
+        except Exception as e:  # the hub's messages are long; keep the first line
+            common.fail(STAGE, f"cannot load hub dataset {name!r}: {str(e).splitlines()[0]}; fix pipeline.dataset")
+
+    column = next((c for c in ("conversations", "messages") if c in rows.column_names), None)
+    if column is None:
+        common.fail(STAGE, f"dataset {name!r} has neither a 'conversations' (ShareGPT) nor a 'messages' "
+                           f"(OpenAI) column (it has {rows.column_names}); fix pipeline.dataset")
+    return [_normalize_conversation(conv) for conv in rows[column] if conv]
+
+
+def regenerate(conversations: list[list[dict]], model, tokenizer, pipeline: dict, dev: str) -> list[list[dict]]:
+    """Rewrite every assistant turn with the target's own greedy continuation, one turn index at a time
+    over all conversations (turn r sees the regenerated turns before it), batched by prompt length."""
+    max_new = int(pipeline.get("max_new_tokens") or 128)
+    budget = int(pipeline.get("max_seq_len") or 512) - max_new
+    batch_size = int(pipeline.get("batch_size") or 8)
+    prompts = [[t for t in conv if t["role"] != "assistant"] for conv in conversations]
+    user_turns = [[i for i, t in enumerate(p) if t["role"] == "user"] for p in prompts]
+    out, taken, stopped = [[] for _ in prompts], [0] * len(prompts), set()
+    total, done = sum(len(u) for u in user_turns), 0
+    for r in range(max((len(u) for u in user_turns), default=0)):
+        todo = []
+        for c, turns in enumerate(user_turns):
+            if r >= len(turns) or c in stopped:
+                continue
+            history = out[c] + prompts[c][taken[c]:turns[r] + 1]  # system/user turns up to user turn r
+            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > budget:  # no room left for a reply: the conversation ends before this turn
+                stopped.add(c)
+                continue
+            out[c], taken[c] = history, turns[r] + 1
+            todo.append((c, ids))
+        todo.sort(key=lambda x: len(x[1]))  # similar lengths together: less padding
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            for (c, _), reply in zip(chunk, generate(model, tokenizer, [ids for _, ids in chunk], max_new, dev)):
+                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                out[c].append({"role": "assistant", "content": text})
+            done += len(chunk)
+            common.progress(done, total, "turns")
+    return [conv if conv and conv[-1]["role"] == "assistant" else [] for conv in out]
+
+
+def generate(model, tokenizer, prompts: list[list[int]], max_new: int, dev: str) -> list[list[int]]:
+    """Greedy continuations of a batch of tokenised prompts (left-padded), up to and including EOS."""
+    import torch
+
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    with torch.inference_mode():
+        generated = model.generate(
+            input_ids=input_ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
+            do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+        )
+    stops = model.generation_config.eos_token_id
+    stops = set(stops if isinstance(stops, list) else [stops]) | {tokenizer.eos_token_id}
+    replies = []
+    for row in generated[:, width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+        replies.append(row[:end])
+    return replies
+
+
+def main(spec: dict) -> dict:
+    from datasets import Dataset
+
+    build_eagle3_dataset = common.data_generation("preprocessing").build_eagle3_dataset
+
+    timer = common.Timer()
+    pipeline = spec.get("pipeline") or {}
+    out = common.artifacts(spec)
+    samples, heldout = int(pipeline.get("samples") or 64), int(pipeline.get("heldout") or 0)
+    seed = int(pipeline.get("seed") or 0)
+
+    conversations = load_conversations(pipeline)
+    random.Random(seed).shuffle(conversations)
+    if len(conversations) < samples + heldout:
+        common.fail(STAGE, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "
+                           f"({samples}) + pipeline.heldout ({heldout}); lower them or use a bigger dataset")
+    train, held = conversations[:samples], conversations[samples:samples + heldout]
+
+    path = common.model_dir(spec)
+    tokenizer = common.load_tokenizer(spec, path)
+    if not getattr(tokenizer, "chat_template", None):
+        common.fail(STAGE, f"the tokenizer of {path} has no chat template; use an instruct/chat model")
+
+    if pipeline.get("regenerate", True):
+        dev = common.device(pipeline)
+        model = common.load_model(spec, path, dev, common.compute_dtype(pipeline, dev))
+        common.log(f"regenerating {len(train)} conversations with the target (greedy, batch "
+                   f"{pipeline.get('batch_size') or 8}, {pipeline.get('max_new_tokens') or 128} new tokens)")
+        train = regenerate(train, model, tokenizer, pipeline, dev)
+        del model
+    train = [conv for conv in train if any(t["role"] == "assistant" and t["content"] for t in conv)]
+    if not train:
+        common.fail(STAGE, "no conversation has an assistant turn to train on; set pipeline.regenerate: true "
+                           "or use a dataset with assistant replies")
+
+    dataset = build_eagle3_dataset(
+        Dataset.from_dict({"conversations": train}), tokenizer,
+        max_length=int(pipeline.get("max_seq_len") or 512), num_proc=1,
+    )
+    dataset = dataset.filter(lambda row: bool(row["loss_mask"].sum() > 0))
+    if len(dataset) == 0:
+        common.fail(STAGE, "the chat template left no assistant tokens in any sample (loss masks all zero); "
+                           "raise pipeline.max_seq_len or check the model's chat template")
+    dataset.save_to_disk(str(out / "dataset"))
+
+    with open(out / "conversations.jsonl", "w") as f:
+        for conv in train:
+            f.write(json.dumps({"messages": conv}) + "\n")
+    with open(out / "heldout.jsonl", "w") as f:
+        for conv in held:
+            first_user = next(i for i, t in enumerate(conv) if t["role"] == "user")
+            f.write(json.dumps({"messages": conv[:first_user + 1]}) + "\n")
+
+    tokens = sum(len(x) for x in dataset["input_ids"])
+    trained = sum(int(m.sum()) for m in dataset["loss_mask"])
+    common.progress(len(dataset), len(dataset), "samples")
+    return {"samples": len(dataset), "tokens": tokens, "assistant_tokens": trained, "heldout": len(held),
+            "regenerated": bool(pipeline.get("regenerate", True)), "seconds": timer()}
+
+
+if __name__ == "__main__":
+    common.cli(main)

@@ -1,0 +1,50 @@
+"""Stage vocab: the draft's vocabulary, the ``pipeline.draft_vocab_size`` most frequent target tokens.
+
+speculators' ``build_vocab_mappings_from_distribution`` over extract's ``token_freq.pt`` (assistant
+tokens only) gives ``d2t`` (draft index -> offset to the target id) and ``t2d`` (target id -> is in the
+draft vocabulary), saved as ``d2t.npy`` / ``t2d.npy`` for speculators' trainer. When the data holds
+fewer distinct tokens than the draft vocabulary, speculators pads it with the lowest token ids: that
+is allowed but wasted lm_head rows, so it is reported as a warning.
+"""
+import json
+
+from stages import common
+
+STAGE = "vocab"
+
+
+def main(spec: dict) -> dict:
+    import numpy as np
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    timer = common.Timer()
+    pipeline = spec.get("pipeline") or {}
+    out = common.artifacts(spec)
+    extracted = common.input_dir(spec, "extract")
+    meta = json.loads((extracted / "extract.json").read_text())
+    freq = torch.load(extracted / "token_freq.pt", weights_only=True)
+
+    target_vocab = int(meta["vocab_size"])
+    draft_vocab = int(pipeline.get("draft_vocab_size") or 32000)
+    if draft_vocab > target_vocab:
+        common.fail(STAGE, f"pipeline.draft_vocab_size {draft_vocab} exceeds the target's vocabulary "
+                           f"({target_vocab}); lower pipeline.draft_vocab_size")
+    if len(freq) < draft_vocab:
+        common.log(f"warning: the data has {len(freq)} distinct assistant tokens, fewer than "
+                   f"pipeline.draft_vocab_size {draft_vocab}; the other {draft_vocab - len(freq)} draft "
+                   "tokens are padding (lower draft_vocab_size or add samples)")
+
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, target_vocab)
+    np.save(out / "d2t.npy", d2t.numpy())
+    np.save(out / "t2d.npy", t2d.numpy())
+
+    total = sum(freq.values())
+    covered = sum(count for token, count in freq.items() if t2d[token])
+    common.progress(1, 1, "mappings")
+    return {"draft_vocab_size": draft_vocab, "target_vocab_size": target_vocab, "distinct_tokens": len(freq),
+            "coverage": round(covered / total, 4) if total else 0.0, "seconds": timer()}
+
+
+if __name__ == "__main__":
+    common.cli(main)
