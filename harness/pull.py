@@ -256,44 +256,63 @@ def _ssh_e(conn, known_hosts: str) -> str:
 
 
 def _rsync(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, digests: dict) -> int:
-    """rsync over ``ssh_argv()``: --inplace into the staging dir and --append-verify, so an
-    interrupted file continues where it stopped and is then checksummed whole by rsync too."""
+    """rsync over ``ssh_argv()`` into the staging dir, in place. A partial file left by an interrupted
+    pull continues with --append-verify (rsync then checks the whole file's checksum); a new file
+    goes with --whole-file (no delta search: there is no older version of an artifact to diff
+    against) and is hashed while it arrives."""
+    fresh = [r for r in todo if not (staging / r).exists()]
+    partial = [r for r in todo if r not in fresh]
+    moved = 0
     with tempfile.TemporaryDirectory(prefix="harness-pull-") as tmp:
-        kh = os.path.join(tmp, "known_hosts")
-        ssh = _ssh_e(conn, kh)
-        tail = _TailHasher(staging, todo)
-        tail.start()
-        argv = ["rsync", "-s", "--inplace", "--append-verify", "--no-compress", "--times", "--stats",
-                "--info=progress2", "--no-inc-recursive", "--files-from=-", "-e", ssh]
-        if bwlimit:
-            argv.append(f"--bwlimit={int(bwlimit)}")
-        argv += [f"{conn.ssh_target}:{remote_dir.rstrip('/')}/", str(staging) + "/"]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        err = []
-        t = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
-        t.start()
-        proc.stdin.write("".join(r + "\n" for r in todo).encode())
-        proc.stdin.close()
-        out = bytearray()
-        buf = b""
-        while chunk := proc.stdout.read1(65536):
-            out.extend(chunk)
-            buf += chunk
-            *parts, buf = re.split(rb"[\r\n]", buf)
-            for part in parts:
-                m = _PROGRESS2.match(part)
-                if m:
-                    bar.set(int(m.group(1).replace(b",", b"")))
-        rc = proc.wait()
-        t.join()
-        hashed = tail.finish()
-        if rc == 0 and b"failed verification" not in (err[0] if err else b""):
-            digests.update(hashed)
-        if rc != 0:
-            msg = (err[0].decode(errors="replace").strip().splitlines() or [f"exit {rc}"])[-1] if err else f"exit {rc}"
-            raise HarnessError(f"host {conn.name}: rsync failed ({msg}); run the pull again to resume")
-        m = re.search(rb"Total bytes received: ([\d,]+)", bytes(out))
-        return int(m.group(1).replace(b",", b"")) if m else 0
+        ssh = _ssh_e(conn, os.path.join(tmp, "known_hosts"))
+        base = 0
+        if partial:
+            moved += _rsync_run(conn, ssh, remote_dir, partial, staging, bar, bwlimit, ["--append-verify"], base)[0]
+            base = sum(files[r]["size"] for r in partial)
+        if fresh:
+            tail = _TailHasher(staging, fresh)
+            tail.start()
+            try:
+                n, rewrote = _rsync_run(conn, ssh, remote_dir, fresh, staging, bar, bwlimit, ["--whole-file"], base)
+            finally:
+                hashed = tail.finish()
+            moved += n
+            if not rewrote:  # rsync rewrote a file after a failed check: hash the final files afresh
+                digests.update(hashed)
+    return moved
+
+
+def _rsync_run(conn, ssh: str, remote_dir: str, rels: list[str], staging: Path, bar: _Bar, bwlimit,
+               mode: list[str], base: int) -> tuple[int, bool]:
+    argv = ["rsync", "-s", "--inplace", *mode, "--no-compress", "--times", "--stats", "--info=progress2",
+            "--no-inc-recursive", "--files-from=-", "-e", ssh]
+    if bwlimit:
+        argv.append(f"--bwlimit={int(bwlimit)}")
+    argv += [f"{conn.ssh_target}:{remote_dir.rstrip('/')}/", str(staging) + "/"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err: list[bytes] = []
+    t = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    t.start()
+    proc.stdin.write("".join(r + "\n" for r in rels).encode())
+    proc.stdin.close()
+    out = bytearray()
+    buf = b""
+    while chunk := proc.stdout.read1(65536):
+        out.extend(chunk)
+        buf += chunk
+        *parts, buf = re.split(rb"[\r\n]", buf)
+        for part in parts:
+            m = _PROGRESS2.match(part)
+            if m:
+                bar.set(base + int(m.group(1).replace(b",", b"")))
+    rc = proc.wait()
+    t.join()
+    errtext = err[0].decode(errors="replace") if err else ""
+    if rc != 0:
+        msg = (errtext.strip().splitlines() or [f"exit {rc}"])[-1]
+        raise HarnessError(f"host {conn.name}: rsync failed ({msg}); run the pull again to resume")
+    m = re.search(rb"Total bytes received: ([\d,]+)", bytes(out))
+    return (int(m.group(1).replace(b",", b"")) if m else 0), "failed verification" in errtext
 
 
 def _resume_hasher(local: Path, size: int):
