@@ -73,6 +73,22 @@ def main() -> None:
                     "--inventory", str(tmp / "inventory.yaml")]
             theirs = [playbook_bin, "-i", str(tmp / "hosts.ini"), str(tmp / "audit.yml")]
             results = {}
+            # In-process too: the harness's own CPU time per audit (the rest of the wall time is the
+            # loopback hosts' sshd and python, which here share this machine's cores with the client).
+            from harness import audit
+            from harness.inventory import load_inventory
+            inventory = load_inventory(tmp / "inventory.yaml")
+            every = list(inventory.hosts.values())
+            inproc = {}
+            for n in (1, args.hosts):
+                audit.run_audit(inventory, every[:n])
+                walls, cpus = [], []
+                for _ in range(args.repeat):
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    audit.run_audit(inventory, every[:n])
+                    walls.append(time.perf_counter() - t0)
+                    cpus.append(time.process_time() - c0)
+                inproc[n] = (statistics.median(walls), statistics.median(cpus))
             for label, argv in [("ours 1 host", ours + ["--hosts", "host0"]), (f"ours {args.hosts} hosts", ours),
                                 ("ansible 1 host", theirs + ["--limit", "host0"]), (f"ansible {args.hosts} hosts", theirs)]:
                 timed(argv, env)  # warm-up (imports, page cache)
@@ -82,6 +98,9 @@ def main() -> None:
                 h.stop()
 
     n = args.hosts
+    for k, (wall, cpu) in inproc.items():
+        print(f"in-process, {k} host(s): wall {wall * 1000:6.0f} ms, harness CPU {cpu * 1000:5.0f} ms")
+    print(f"cores on this machine: {os.cpu_count()} (the {n} loopback hosts' sshd + python run on them too)")
     for label, t in results.items():
         print(f"{label:<20} {t * 1000:8.0f} ms")
     print(f"ours {n} hosts / 1 host:      {results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x   (bar <= 1.5)")

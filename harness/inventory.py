@@ -98,9 +98,11 @@ class ModelSpec(_Strict):
 
 
 class PipelineSpec(_Strict):
-    """Settings of the four stages plus evaluation (see remote/stages/)."""
+    """Settings of the four stages plus evaluation; each stage's docstring in remote/stages/ says
+    which of them it reads. Defaults here are the stages' own defaults."""
 
     dataset: str = "builtin:prompts"
+    dataset_split: str = "train"
     samples: int = Field(default=64, ge=1)
     heldout: int = Field(default=16, ge=0)
     max_seq_len: int = Field(default=512, ge=16)
@@ -113,6 +115,15 @@ class PipelineSpec(_Strict):
     dtype: str = "auto"
     batch_size: int = Field(default=8, ge=1)
     tensor_parallel: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.8, gt=0, le=1)
+    #: GPUs for training (torchrun processes); 1 = a single process
+    gpus: int = Field(default=1, ge=1)
+    #: torch.compile the draft (default: only on CUDA)
+    compile: bool | None = None
+    draft_layers: int = Field(default=1, ge=1)
+    draft_intermediate_size: int | None = Field(default=None, ge=1)
+    train_seq_len: int = Field(default=2048, ge=16)
+    val_fraction: float = Field(default=0.1, ge=0, lt=1)
     epochs: int = Field(default=1, ge=1)
     lr: float = Field(default=1e-4, gt=0)
     ttt_steps: int = Field(default=3, ge=1)

@@ -1,7 +1,7 @@
 """``inv pipeline``: the whole EAGLE-3 job on one host, stage after stage, skipping what is done.
 
-Each stage run gets a content-addressed run id: ``<stage>-<hash>`` of the stage's code, the model and
-pipeline settings, and the run ids of the stages it reads. The runner never repeats a finished run
+Each stage run gets a content-addressed run id: ``<stage>-<hash>`` of the stage's code, the model, the
+pipeline settings that stage reads, and the run ids of the stages it reads. The runner never repeats a finished run
 id, so a stage whose inputs hash to those of its last successful run is skipped for free, and a
 changed setting reruns exactly the stages downstream of it. ``--from`` finds the upstream runs by the
 same ids (they must have succeeded before); ``--to`` stops early.
@@ -33,9 +33,22 @@ PIPELINE: dict[str, tuple[str, ...]] = {
     "extract": ("prepare",),
     "vocab": ("extract",),
     "train": ("extract", "vocab"),
-    "evaluate": ("prepare", "train"),
+    "evaluate": ("prepare", "extract", "train"),
 }
 ORDER = list(PIPELINE)
+#: the pipeline settings each stage reads (tests/test_pipeline.py checks these against the stage
+#: sources); a stage's run id hashes only these, so changing ``lr`` reruns train and evaluate only
+COMMON_SETTINGS = ("device", "dtype", "extra")
+READS: dict[str, tuple[str, ...]] = {
+    "prepare": ("dataset", "dataset_split", "samples", "heldout", "max_seq_len", "regenerate", "max_new_tokens",
+                "batch_size", "seed"),
+    "extract": ("capture_layers", "backend", "max_seq_len", "batch_size", "tensor_parallel",
+                "gpu_memory_utilization"),
+    "vocab": ("draft_vocab_size",),
+    "train": ("epochs", "lr", "ttt_steps", "k", "seed", "draft_layers", "draft_intermediate_size", "train_seq_len",
+              "val_fraction", "gpus", "compile"),
+    "evaluate": ("k", "max_new_tokens", "max_seq_len", "batch_size", "backend", "tensor_parallel", "compile"),
+}
 #: stages that need the GPUs (and so the service guard) when the host has any
 GPU_STAGES = {"prepare", "extract", "train", "evaluate"}
 
@@ -64,11 +77,13 @@ def stage_code_hash(stage: str, root: Path | None = None) -> str:
 
 def run_ids(inv: Inventory, root: Path | None = None) -> dict[str, str]:
     """The content-addressed run id of every stage, given the inventory (no host needed)."""
-    settings = {"model": inv.model.model_dump() if inv.model else None, "pipeline": inv.pipeline.model_dump()}
+    model = inv.model.model_dump() if inv.model else None
+    every = inv.pipeline.model_dump()
     ids: dict[str, str] = {}
     for stage, deps in PIPELINE.items():
-        key = json.dumps({"stage": stage, "code": stage_code_hash(stage, root), "settings": settings,
-                          "inputs": {d: ids[d] for d in deps}}, sort_keys=True, default=str)
+        settings = {k: every[k] for k in (*READS[stage], *COMMON_SETTINGS)}
+        key = json.dumps({"stage": stage, "code": stage_code_hash(stage, root), "model": model,
+                          "settings": settings, "inputs": {d: ids[d] for d in deps}}, sort_keys=True, default=str)
         ids[stage] = f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return ids
 

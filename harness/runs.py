@@ -153,7 +153,7 @@ def stage_spec(inv: Inventory | None, stage: str, extra: dict | None = None) -> 
     """What a stage reads besides its inputs: the inventory's model and pipeline sections."""
     spec = {"stage": stage,
             "model": inv.model.model_dump() if inv and inv.model else None,
-            "pipeline": inv.pipeline.model_dump() if inv else {}}
+            "pipeline": inv.pipeline.model_dump(exclude_none=True) if inv else {}}
     spec.update(extra or {})
     return spec
 
