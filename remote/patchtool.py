@@ -487,6 +487,11 @@ def recover(target: Target) -> str | None:
 def _transact(target: Target, op: str, changes: list[dict], manifest: dict | None, spec: dict) -> None:
     """Stage ``changes`` ([{rel, from, to, data}]), journal them, swap them in; all or nothing."""
     envdir = target.envdir
+    for c in changes:
+        folder = target.path(c["rel"]).parent
+        if not os.access(folder, os.W_OK):
+            raise Refused(f"cannot write {folder} as user {os.environ.get('USER', os.getuid())}: run as the owner "
+                          "of this python environment (inventory 'user'); nothing was changed")
     txid = f"{op}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     files = []
     for c in changes:

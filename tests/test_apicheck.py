@@ -6,14 +6,10 @@ vLLM is either an unpacked wheel directory given as ``vllm_path`` or "installed"
 from __future__ import annotations
 
 import json
-import shutil
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from conftest import run_inv
-from harness import PATCHES_DIR
 from harness import patches as hp
 from test_patches import (  # noqa: F401 (fixtures)
     env_template, host_env, inventory_for, patch_cli, vllm_tree, wheel,
