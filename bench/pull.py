@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import os
 import shlex
 import shutil
 import subprocess
@@ -37,11 +38,24 @@ from harness.inventory import load_inventory  # noqa: E402
 from harness.pull import pull  # noqa: E402
 
 
+def cpu_seconds(sshd_pid: int) -> float:
+    """CPU time of this process, its finished children (rsync, ssh) and the sshd's finished sessions
+    (the host side: sshd, sftp-server, the remote rsync), in seconds."""
+    t = os.times()
+    with open(f"/proc/{sshd_pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    host = (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / tick  # utime stime cutime cstime
+    return t.user + t.system + t.children_user + t.children_system + host
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fabric-rounds", type=int, default=1, help="Fabric is slow; fewer rounds of it")
+    ap.add_argument("--dest-root", default=None,
+                    help="where the pulled copies go (default: the temp dir; /dev/shm takes the local disk out)")
     args = ap.parse_args()
     size = args.size_mib << 20
 
@@ -87,17 +101,22 @@ def main() -> None:
 
             methods = {"ours": ours, "rsync": plain_rsync, "fabric": fabric_get}
             times: dict[str, list[float]] = {m: [] for m in methods}
+            cpus: dict[str, list[float]] = {m: [] for m in methods}
             for r in range(max(args.rounds, args.fabric_rounds)):
                 for name, fn in methods.items():
                     if name == "fabric" and r >= args.fabric_rounds or name != "fabric" and r >= args.rounds:
                         continue
-                    dest = tmp / f"dest-{name}-{r}"
+                    dest = Path(args.dest_root or tmp) / f"bench-pull-dest-{name}-{r}"
+                    c0 = cpu_seconds(host.proc.pid)
                     t = time.perf_counter()
                     fn(dest)
                     dt = time.perf_counter() - t
+                    cpu = cpu_seconds(host.proc.pid) - c0
                     shutil.rmtree(dest)
                     times[name].append(dt)
-                    print(f"round {r + 1}: {name:6s} {dt:7.2f} s  {size / dt / 1e6:7.1f} MB/s", flush=True)
+                    cpus[name].append(cpu)
+                    print(f"round {r + 1}: {name:6s} {dt:7.2f} s  {size / dt / 1e6:7.1f} MB/s  "
+                          f"CPU {cpu:5.2f} s (both ends)", flush=True)
             conn.close()
         finally:
             host.stop()
@@ -105,9 +124,11 @@ def main() -> None:
     best = {m: min(v) for m, v in times.items()}
     rate = {m: size / t / 1e6 for m, t in best.items()}
     print()
-    print(f"{args.size_mib} MiB on loopback, best of {args.rounds} (fabric: {args.fabric_rounds}):")
+    print(f"{args.size_mib} MiB on loopback into {args.dest_root or 'the temp dir'}, best of {args.rounds} "
+          f"(fabric: {args.fabric_rounds}):")
     for m in methods:
-        print(f"  {m:6s} {best[m]:7.2f} s  {rate[m]:7.1f} MB/s")
+        print(f"  {m:6s} {best[m]:7.2f} s  {rate[m]:7.1f} MB/s   CPU per GiB (workstation + host): "
+              f"{min(cpus[m]) / (size / 2**30):.2f} s")
     r_rsync = rate["ours"] / rate["rsync"]
     r_fabric = rate["ours"] / rate["fabric"]
     print(f"ours / plain rsync      = {r_rsync:.2f}x  (bar >= 0.90: {'PASS' if r_rsync >= 0.9 else 'FAIL'})")

@@ -346,37 +346,51 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
         if "error" in msg:
             raise HarnessError(f"host {conn.name}: {msg['error']}")
 
-    lost_since = None
-    with ProgressView(f"{conn.name} {run_id}", console=console, show=progress, echo=on_line) as view:
-        while not final:
-            spec = {"action": "follow", "workdir": conn.host.workdir, "run_id": run_id, "offset": state.offset,
-                    "attempt": state.attempt, "max_s": max_s}
-            cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
-            try:
-                res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
-                                on_stdout=lambda l: handle(l, view))
-                if res.rc == -1 and not final:  # the channel closed without an exit status: link lost
-                    raise HostUnreachable(f"host {conn.name}: connection lost")
-                lost_since = None
-                if res.rc != 0 and not final:
-                    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-                    raise HarnessError(f"host {conn.name}: following run {run_id} failed: {tail}")
-            except HostUnreachable:
-                now = time.monotonic()
-                lost_since = lost_since or now
-                if now - lost_since >= reconnect_s:
-                    raise HarnessError(
-                        f"host {conn.name}: link lost while following run {run_id}; the run goes on on the host, "
-                        f"reattach with: inv runs.logs {run_id} --follow --hosts {conn.name}")
-                time.sleep(min(2.0, max(0.2, reconnect_s / 10)))
-                conn.close()
-                try:
-                    conn.open()
-                except HostUnreachable:
-                    pass
-        if pending[0]:
-            view.line(pending[0])
+    try:
+        with ProgressView(f"{conn.name} {run_id}", console=console, show=progress, echo=on_line) as view:
+            _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, reconnect_s)
+    except KeyboardInterrupt:
+        from rich.console import Console
+        (console or Console(stderr=True)).print(
+            f"detached from run {run_id} on {conn.name}; it goes on on the host. Reattach with: "
+            f"inv runs.logs {run_id} --follow --hosts {conn.name}   (stop it with: inv runs.stop {run_id})",
+            highlight=False)
+        raise
     return final
+
+
+def _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, reconnect_s) -> None:
+    """One streaming ``runctl follow`` per connection; after a dropped link, reconnect and continue
+    from the offset reached, for up to ``reconnect_s`` seconds."""
+    lost_since = None
+    while not final:
+        spec = {"action": "follow", "workdir": conn.host.workdir, "run_id": run_id, "offset": state.offset,
+                "attempt": state.attempt, "max_s": max_s}
+        cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
+        try:
+            res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
+                            on_stdout=lambda l: handle(l, view))
+            if res.rc == -1 and not final:  # the channel closed without an exit status: link lost
+                raise HostUnreachable(f"host {conn.name}: connection lost")
+            lost_since = None
+            if res.rc != 0 and not final:
+                tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+                raise HarnessError(f"host {conn.name}: following run {run_id} failed: {tail}")
+        except HostUnreachable:
+            now = time.monotonic()
+            lost_since = lost_since or now
+            if now - lost_since >= reconnect_s:
+                raise HarnessError(
+                    f"host {conn.name}: link lost while following run {run_id}; the run goes on on the host, "
+                    f"reattach with: inv runs.logs {run_id} --follow --hosts {conn.name}")
+            time.sleep(min(2.0, max(0.2, reconnect_s / 10)))
+            conn.close()
+            try:
+                conn.open()
+            except HostUnreachable:
+                pass
+    if pending[0]:
+        view.line(pending[0])
 
 
 def describe_failure(st: dict) -> str:

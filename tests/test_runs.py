@@ -177,3 +177,31 @@ def test_list_and_bad_run_id(host, tmp_path):
     assert r.returncode != 0 and "no run nope" in r.stderr and "Traceback" not in r.stderr
     r = run_inv("runs.status", "../etc", "--inventory", inv.source)
     assert r.returncode != 0 and "bad run id" in r.stderr
+
+
+def test_killed_wrapper_reads_as_lost_and_can_be_relaunched(host, tmp_path):
+    import os
+    import signal
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="k1", extra={"sleep": 60}, code_root=code, environ=ENV)
+    st = wait_for(lambda: (s := runs.status(conn, "k1"))["stage_pid"] and s)
+    os.kill(st["pid"], signal.SIGKILL)  # as a host crash would: no chance to record anything
+    os.killpg(st["stage_pid"], signal.SIGKILL)
+    st = wait_for(lambda: (s := runs.status(conn, "k1"))["state"] == "lost" and s)
+    assert "wrapper is gone" in st["error"]
+    again = runs.launch(conn, inv, "teststage", run_id="k1", extra={"sleep": 60}, code_root=code, environ=ENV)
+    assert again.launched and again.status["attempt"] == 2
+    runs.stop(conn, "k1", grace=2)
+
+
+def test_every_stage_module_is_a_task():
+    r = run_inv("-l")
+    assert r.returncode == 0, r.stderr
+    names = runs.stages()
+    assert names  # remote/stages/ has stages
+    for name in names:
+        assert f"stage.{name}" in r.stdout
+    assert "stage.common" not in r.stdout  # helpers without main() are not stages
+    for t in ("runs.list", "runs.status", "runs.logs", "runs.stop", "pull", "env.render", "env.lint"):
+        assert t in r.stdout
