@@ -161,7 +161,9 @@ def main(spec: dict) -> dict:
     common.write_json(out / "extract.json", meta)
     hidden_bytes = tokens * len(layers) * config.hidden_size * 2
     return {"samples": len(dataset), "tokens": tokens, "extracted": len(todo), "layers": layers,
-            "hidden_state_bytes": hidden_bytes, "backend": backend, "seconds": timer()}
+            "hidden_state_bytes": hidden_bytes, "backend": backend, "seconds": timer(),
+            # the hidden states stay on the host unless a pull asks for them (inv pull --all)
+            "intermediates": ["data/data_*.pt"]}
 
 
 if __name__ == "__main__":
