@@ -120,6 +120,8 @@ class PipelineSpec(_Strict):
     gpus: int = Field(default=1, ge=1)
     #: torch.compile the draft (default: only on CUDA)
     compile: bool | None = None
+    #: torch intra-op threads (0 = torch's default, all cores); 1 helps on a CPU shared with other work
+    threads: int = Field(default=0, ge=0)
     draft_layers: int = Field(default=1, ge=1)
     draft_intermediate_size: int | None = Field(default=None, ge=1)
     train_seq_len: int = Field(default=2048, ge=16)

@@ -38,7 +38,7 @@ PIPELINE: dict[str, tuple[str, ...]] = {
 ORDER = list(PIPELINE)
 #: the pipeline settings each stage reads (tests/test_pipeline.py checks these against the stage
 #: sources); a stage's run id hashes only these, so changing ``lr`` reruns train and evaluate only
-COMMON_SETTINGS = ("device", "dtype", "extra")
+COMMON_SETTINGS = ("device", "dtype", "threads", "extra")
 READS: dict[str, tuple[str, ...]] = {
     "prepare": ("dataset", "dataset_split", "samples", "heldout", "max_seq_len", "regenerate", "max_new_tokens",
                 "batch_size", "seed"),

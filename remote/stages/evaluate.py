@@ -78,7 +78,9 @@ def walk(sequence: list[int], chains: list[list[int]], prompt_len: int, k: int) 
     accepted, t, last = [], prompt_len, len(sequence) - 1
     while t < last:  # x_t is the newest verified token; the draft proposes from position t-1
         a = 0
-        while a < k and t + 1 + a <= last and chains[t - 1][a] == sequence[t + 1 + a]:
+        # accepted drafts are x_{t+1}..x_{t+a}; the target's own token x_{t+a+1} must still be in the
+        # continuation (a draft EOS, or one past max_new_tokens, would end generation instead)
+        while a < k and t + a + 2 <= last and chains[t - 1][a] == sequence[t + 1 + a]:
             a += 1
         accepted.append(a)
         t += a + 1

@@ -32,7 +32,8 @@ def save_sample(path: Path, input_ids, hidden_states, loss_mask):
 
     sample = {
         "input_ids": input_ids.to(torch.long).clone(),
-        "hidden_states": [h.to(torch.bfloat16).clone() for h in hidden_states],
+        # copy=True: a new tensor holding exactly this sample's rows (one conversion, never a view)
+        "hidden_states": [h.to(torch.bfloat16, copy=True) for h in hidden_states],
         "loss_mask": loss_mask.to(torch.long).clone(),
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -48,8 +49,7 @@ class HfCapture:
     def __init__(self, model, layers: list[int]):
         self.decoder, blocks = common.decoder_layers(model)
         self.layers, self.captured = layers, {}
-        for layer in layers:
-            blocks[layer].register_forward_hook(self._hook(layer))
+        self.hooks = [blocks[layer].register_forward_hook(self._hook(layer)) for layer in layers]
 
     def _hook(self, layer):
         def keep(_module, _args, output):
@@ -64,29 +64,42 @@ class HfCapture:
             self.decoder(input_ids=input_ids, use_cache=False)
         return [self.captured[layer] for layer in self.layers]
 
+    def close(self):
+        for hook in self.hooks:
+            hook.remove()
 
-def extract_hf(spec, dataset, todo, layers, out, model_path):
+
+def batches(dataset, todo: list[int], batch_size: int):
+    """``(indices, rows, input_ids)`` batches of similar-length samples, right-padded with 0: with causal
+    attention a real token never sees the padding after it, so no attention mask is needed."""
     import torch
 
-    pipeline = spec["pipeline"]
-    dev = common.device(pipeline)
-    model = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
-    capture = HfCapture(model, layers)
-    batch_size = int(pipeline.get("batch_size") or 8)
-    todo = sorted(todo, key=lambda i: len(dataset[i]["input_ids"]))  # similar lengths together
-    done = len(dataset) - len(todo)
+    todo = sorted(todo, key=lambda i: len(dataset[i]["input_ids"]))
     for start in range(0, len(todo), batch_size):
-        rows = [dataset[i] for i in todo[start:start + batch_size]]
-        width = max(len(r["input_ids"]) for r in rows)
-        batch = torch.zeros((len(rows), width), dtype=torch.long)
+        index = todo[start:start + batch_size]
+        rows = [dataset[i] for i in index]
+        batch = torch.zeros((len(rows), max(len(r["input_ids"]) for r in rows)), dtype=torch.long)
         for b, r in enumerate(rows):
             batch[b, :len(r["input_ids"])] = r["input_ids"]
+        yield index, rows, batch
+
+
+def write_samples(capture: HfCapture, dataset, todo: list[int], out: Path, batch_size: int, dev: str):
+    done = len(dataset) - len(todo)
+    for index, rows, batch in batches(dataset, todo, batch_size):
         states = capture(batch.to(dev))
-        for b, (i, r) in enumerate(zip(todo[start:start + batch_size], rows)):
+        for b, (i, r) in enumerate(zip(index, rows)):
             n = len(r["input_ids"])
             save_sample(out / f"data_{i}.pt", r["input_ids"], [h[b, :n].cpu() for h in states], r["loss_mask"])
         done += len(rows)
         common.progress(done, len(dataset), "samples")
+
+
+def extract_hf(spec, dataset, todo, layers, out, model_path):
+    pipeline = spec["pipeline"]
+    dev = common.device(pipeline)
+    model = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
+    write_samples(HfCapture(model, layers), dataset, todo, out, int(pipeline.get("batch_size") or 8), dev)
 
 
 def extract_vllm(spec, dataset, todo, layers, out, model_path):

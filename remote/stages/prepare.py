@@ -153,7 +153,11 @@ def main(spec: dict) -> dict:
         Dataset.from_dict({"conversations": train}), tokenizer,
         max_length=int(pipeline.get("max_seq_len") or 512), num_proc=1,
     )
-    dataset = dataset.filter(lambda row: bool(row["loss_mask"].sum() > 0))
+    if len(dataset) == len(train):  # one row per conversation: keep conversations.jsonl aligned
+        keep = [i for i, mask in enumerate(dataset["loss_mask"]) if mask.sum() > 0]
+        dataset, train = dataset.select(keep), [train[i] for i in keep]
+    else:
+        dataset = dataset.filter(lambda row: bool(row["loss_mask"].sum() > 0))
     if len(dataset) == 0:
         common.fail(STAGE, "the chat template left no assistant tokens in any sample (loss masks all zero); "
                            "raise pipeline.max_seq_len or check the model's chat template")

@@ -1,0 +1,400 @@
+"""The five stages on a tiny Llama built on the fly (tests/models.py), end to end and one by one.
+
+The stages run against the real speculators 0.3.0 with this repo's patch series applied (GNU patch
+on a copy of the installed package, put first on PYTHONPATH): patch 7 is what lets the Eagle3 draft
+train on CPU, patch 6 what makes its targets the verifier's real logits. The whole tiny pipeline runs
+once per module in one subprocess (imports dominate the time); the tests then read its outputs back
+with speculators' own dataset and config classes and with transformers, and check the layer
+convention against an independent transformers forward.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.models import NUM_LAYERS, build_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+REMOTE = REPO / "remote"
+sys.path.insert(0, str(REMOTE))  # the stages import as on a host: `from stages import common`
+SERIES = REPO / "patches" / "speculators" / "0.3.0"
+STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
+
+PIPELINE = {"dataset": "builtin:prompts", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
+            "batch_size": 4, "draft_vocab_size": 64, "epochs": 3, "lr": 3e-3, "train_seq_len": 256,
+            "val_fraction": 0.2, "k": 3, "ttt_steps": 3, "seed": 0, "threads": 1}
+
+
+@pytest.fixture(scope="session")
+def patched_speculators(tmp_path_factory) -> Path:
+    """A copy of the installed speculators 0.3.0 with the shipped series applied, in order."""
+    import importlib.util
+
+    site = tmp_path_factory.mktemp("patched-site")
+    origin = Path(importlib.util.find_spec("speculators").origin).parent
+    shutil.copytree(origin, site / "speculators")
+    series = yaml.safe_load((SERIES / "series.yaml").read_text())
+    for entry in series["patches"]:
+        # state by content hash, as the series defines it: already applied (a host where the lead
+        # patched the installed copy) -> skip; otherwise it must apply cleanly
+        shas = {f: hashlib.sha256((site / f).read_bytes()).hexdigest() for f in entry["files"]}
+        if all(shas[f] == h["after"] for f, h in entry["files"].items()):
+            continue
+        diff = (SERIES / entry["file"]).read_bytes()
+        subprocess.run(["patch", "-p0", "--batch", "--silent"], input=diff, cwd=site, check=True)
+    return site
+
+
+def stage_spec(root: Path, stage: str, model: Path, **pipeline) -> dict:
+    return {"run_id": f"{stage}-1", "stage": stage, "run_dir": str(root / "runs" / f"{stage}-1"),
+            "model": {"path": str(model)}, "pipeline": {**PIPELINE, **pipeline},
+            "inputs": {s: str(root / "runs" / f"{s}-1" / "artifacts") for s in STAGES[:STAGES.index(stage)]}}
+
+
+def run_stages(site: Path, specs: list[dict], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run stage mains in sequence in ONE python (cwd = remote/, as on a host), results to result.json."""
+    driver = (
+        "import json, sys, importlib\n"
+        "for spec in json.load(sys.stdin):\n"
+        "    result = importlib.import_module('stages.' + spec['stage']).main(spec)\n"
+        "    open(spec['run_dir'] + '/result.json', 'w').write(json.dumps(result))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-c", driver], input=json.dumps(specs), cwd=REMOTE, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(site: Path, spec: dict, tmp: Path) -> subprocess.CompletedProcess:
+    """One stage through the runner's entry point, exactly as the wrapper launches it."""
+    path = tmp / f"{spec['stage']}-spec.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "runstage", str(path)], cwd=REMOTE, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, tiny, patched_speculators):
+    root = tmp_path_factory.mktemp("work")
+    specs = [stage_spec(root, s, tiny) for s in STAGES]
+    proc = run_stages(patched_speculators, specs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {s["stage"]: json.loads((Path(s["run_dir"]) / "result.json").read_text()) for s in specs}
+    arts = {s["stage"]: Path(s["run_dir"]) / "artifacts" for s in specs}
+    return root, specs, results, arts, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# prepare
+
+
+def test_prepare_regenerates_replies_and_holds_out_prompts(pipeline_run, tiny):
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    _, _, results, arts, _ = pipeline_run
+    tok = AutoTokenizer.from_pretrained(tiny)
+    data = load_from_disk(str(arts["prepare"] / "dataset"))
+    convs = [json.loads(line)["messages"] for line in (arts["prepare"] / "conversations.jsonl").read_text().splitlines()]
+    # a reply that decodes to nothing (the tiny model is random) is dropped, nothing else is
+    assert results["prepare"]["samples"] == len(data) == len(convs) >= PIPELINE["samples"] - 4
+    assert results["prepare"]["regenerated"]
+    for row, conv in zip(data, convs):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert len(ids) == len(mask) <= PIPELINE["max_seq_len"] and sum(mask) > 0
+        # the shipped prompts have no replies: each one here was written by the target
+        assert [t["role"] for t in conv] == ["user", "assistant"] and conv[1]["content"]
+        untrained = tok.decode([i for i, m in zip(ids, mask) if not m])
+        assert conv[0]["content"] in untrained and "<|im_start|>assistant" in untrained
+    held = [json.loads(line)["messages"] for line in (arts["prepare"] / "heldout.jsonl").read_text().splitlines()]
+    assert len(held) == PIPELINE["heldout"] and all(m[-1]["role"] == "user" for m in held)
+    assert not {m[-1]["content"] for m in held} & {c[0]["content"] for c in convs}
+
+
+def masked_runs(tok, ids, mask) -> list[str]:
+    """The loss-masked tokens, decoded run by run."""
+    runs, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(i)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs + ([tok.decode(current)] if current else [])
+
+
+def test_prepare_masks_exactly_the_assistant_replies_of_sharegpt_and_openai_files(tmp_path, tiny):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from stages import prepare
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    sharegpt = tmp_path / "chats.jsonl"
+    sharegpt.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer number {i}"}]})
+        for i in range(6)))
+    openai = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer number {i}"},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": f"that is all {i}"}]}
+        for i in range(6)]), openai)
+    for path in (sharegpt, openai):
+        spec = stage_spec(tmp_path / path.suffix[1:], "prepare", tiny, dataset=str(path), samples=4, heldout=2,
+                          regenerate=False)
+        result = prepare.main(spec)
+        assert result["samples"] == 4 and not result["regenerated"]
+        data = load_from_disk(str(Path(spec["run_dir"]) / "artifacts" / "dataset"))
+        for row in data:
+            decoded = masked_runs(tok, row["input_ids"], row["loss_mask"])
+            i = decoded[0].split()[-1]
+            assert decoded == [f"answer number {i}"] + ([f"that is all {i}"] if path is openai else [])
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ("builtin:nope", "no built-in dataset 'builtin:nope'"),
+    ("/nonexistent/chats.jsonl", "dataset file not found: /nonexistent/chats.jsonl"),
+])
+def test_prepare_refuses_a_missing_dataset(tmp_path, tiny, dataset, message):
+    from stages import prepare
+
+    with pytest.raises(SystemExit, match="^stage prepare: " + message):
+        prepare.main(stage_spec(tmp_path, "prepare", tiny, dataset=dataset))
+
+
+# ---------------------------------------------------------------------------------------------------
+# extract
+
+
+def test_extract_writes_speculators_samples_of_exactly_bf16_hidden_bytes(pipeline_run):
+    import torch
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    _, _, results, arts, _ = pipeline_run
+    meta = json.loads((arts["extract"] / "extract.json").read_text())
+    files = sorted((arts["extract"] / "data").glob("data_*.pt"))
+    assert len(files) == results["extract"]["samples"] == results["prepare"]["samples"]
+    hidden = meta["hidden_size"]
+    for f in files:
+        sample = torch.load(f, weights_only=True)
+        n = sample["input_ids"].shape[0]
+        assert [tuple(h.shape) for h in sample["hidden_states"]] == [(n, hidden)] * 4
+        assert all(h.dtype == torch.bfloat16 for h in sample["hidden_states"])
+        # nothing more than the samples' own bytes: no storage of a whole batch behind a view
+        storages = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in sample["hidden_states"]}
+        assert sum(storages.values()) == 4 * n * hidden * 2
+    # speculators' own reader (format v1): 3 layers concatenated for the draft, the last as target
+    dataset = Eagle3SampleFileDataset(max_len=PIPELINE["train_seq_len"], file_list=[str(f) for f in files])
+    item = dataset[0]
+    assert item["hidden_states"].shape[-1] == 3 * hidden
+    assert item["verifier_last_hidden_states"].shape[-1] == hidden
+    freq = torch.load(arts["extract"] / "token_freq.pt", weights_only=True)
+    assert sum(freq.values()) == results["prepare"]["assistant_tokens"]
+
+
+def test_captured_layers_are_layer_outputs_and_vllm_ids_are_one_higher(pipeline_run, tiny):
+    """The off-by-one. speculators captures the OUTPUT of layer i (transformers' hidden_states[i+1],
+    pre-norm for the last layer); vLLM feeds the draft the INPUT of each listed layer (transformers'
+    hidden_states[id]); so the checkpoint's ids must be capture + 1 for the draft to see at serving
+    time what it was trained on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, _, _, arts, _ = pipeline_run
+    meta = json.loads((arts["extract"] / "extract.json").read_text())
+    layers = meta["capture_layers"]
+    assert layers == [2, NUM_LAYERS // 2, NUM_LAYERS - 3, NUM_LAYERS - 1]
+    config = json.loads((arts["train"] / "checkpoint" / "config.json").read_text())
+    ids = config["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [layers[0] + 1, layers[1] + 1, layers[2] + 1]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    sample = torch.load(arts["extract"] / "data" / "data_0.pt", weights_only=True)
+    with torch.no_grad():
+        hf = model(sample["input_ids"][None], output_hidden_states=True).hidden_states
+    stored = [h.float() for h in sample["hidden_states"]]
+    for j in range(3):
+        # what vLLM collects for id ids[j]: the input of that layer == what we stored for training
+        assert torch.allclose(stored[j], hf[ids[j]][0].to(torch.bfloat16).float(), atol=1e-2)
+        # and not the neighbouring layer's (the off-by-one would be visible)
+        assert not torch.allclose(stored[j], hf[ids[j] - 1][0].to(torch.bfloat16).float(), atol=1e-2)
+    # last layer: its raw output, before the final norm (transformers' last hidden state is normed)
+    assert not torch.allclose(stored[3], hf[NUM_LAYERS][0], atol=1e-2)
+    assert torch.allclose(model.model.norm(stored[3]), hf[NUM_LAYERS][0], atol=5e-2)
+
+
+def test_extract_resumes_with_the_samples_not_yet_written(pipeline_run, patched_speculators, tmp_path):
+    _, specs, results, arts, _ = pipeline_run
+    n = results["extract"]["samples"]
+    data = arts["extract"] / "data"
+    kept = {f.name: f.stat().st_mtime_ns for f in data.glob("data_*.pt")}
+    for name in ("data_1.pt", "data_5.pt"):
+        (data / name).unlink()
+        kept.pop(name)
+    proc = run_cli(patched_speculators, specs[1], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"resuming: {n - 2} of {n} samples already written" in proc.stdout
+    result = json.loads((Path(specs[1]["run_dir"]) / "result.json").read_text())
+    assert result["extracted"] == 2 and result["samples"] == n
+    assert (data / "data_1.pt").is_file() and (data / "data_5.pt").is_file()
+    assert {f.name: f.stat().st_mtime_ns for f in data.glob("data_*.pt") if f.name in kept} == kept
+    assert f'"done": {n}, "total": {n}' in proc.stdout
+
+
+def test_extract_refuses_an_out_of_range_layer_in_one_line(pipeline_run, patched_speculators, tiny, tmp_path):
+    root, _, _, _, _ = pipeline_run
+    spec = stage_spec(root, "extract", tiny, capture_layers=[2, 4, 5, 99])
+    spec["run_dir"] = str(tmp_path / "run")
+    proc = run_cli(patched_speculators, spec, tmp_path)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == (f"stage extract: layer 99 out of range: the model has {NUM_LAYERS} layers "
+                         f"(0..{NUM_LAYERS - 1}); fix pipeline.capture_layers")
+    assert "Traceback" not in proc.stderr
+
+
+def test_extract_with_vllm_backend_says_vllm_is_missing(pipeline_run, tiny, tmp_path):
+    from stages import extract
+
+    root, _, _, _, _ = pipeline_run
+    spec = stage_spec(root, "extract", tiny, backend="vllm")
+    spec["run_dir"] = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match="^stage extract: backend vllm needs vLLM on the host"):
+        extract.main(spec)
+
+
+# ---------------------------------------------------------------------------------------------------
+# vocab, train, evaluate
+
+
+def test_vocab_maps_the_most_frequent_tokens_and_warns_about_padding(pipeline_run):
+    import numpy as np
+    import torch
+
+    _, _, results, arts, stdout = pipeline_run
+    d2t, t2d = np.load(arts["vocab"] / "d2t.npy"), np.load(arts["vocab"] / "t2d.npy")
+    freq = torch.load(arts["extract"] / "token_freq.pt", weights_only=True)
+    assert d2t.shape == (PIPELINE["draft_vocab_size"],) and t2d.sum() == PIPELINE["draft_vocab_size"]
+    draft_ids = np.arange(len(d2t)) + d2t
+    assert set(np.nonzero(t2d)[0]) == set(draft_ids)
+    top = sorted(freq, key=lambda t: -freq[t])[:min(len(freq), len(d2t))]
+    assert set(top) <= set(draft_ids.tolist())
+    if len(freq) < PIPELINE["draft_vocab_size"]:
+        assert f"warning: the data has {len(freq)} distinct assistant tokens" in stdout
+    assert results["vocab"]["coverage"] == 1.0
+
+
+def test_train_checkpoint_reads_back_with_speculators_and_vllms_config_loader(pipeline_run):
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    _, _, results, arts, _ = pipeline_run
+    ckpt = arts["train"] / "checkpoint"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors"]
+    config = Eagle3SpeculatorConfig.from_pretrained(str(ckpt))
+    assert config.draft_vocab_size == PIPELINE["draft_vocab_size"]
+    assert config.speculators_config.proposal_methods[0].speculative_tokens == PIPELINE["k"]
+    metrics = json.loads((arts["train"] / "metrics.json").read_text())
+    steps = metrics["train"]
+    assert len(steps) == results["train"]["steps"] > 0 and len(metrics["val"]) == PIPELINE["epochs"]
+    assert (arts["train"] / "loss.png").stat().st_size > 1000
+    # vLLM's speculators config loader, from the real vLLM source
+    vllm_config = vllm_speculators_config(ckpt)
+    assert vllm_config["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert vllm_config["eagle_aux_hidden_state_layer_ids"] == config.eagle_aux_hidden_state_layer_ids
+    assert vllm_config["draft_vocab_size"] == PIPELINE["draft_vocab_size"]
+
+
+def vllm_speculators_config(checkpoint: Path) -> dict:
+    """Run vLLM 0.16's SpeculatorsConfig conversion (its own files, read from the PyPI wheel) on a
+    checkpoint. vLLM itself cannot be imported without CUDA, so only these two modules are loaded."""
+    import types
+    import zipfile
+
+    cache = Path(os.environ.get("EAGLE_HARNESS_CACHE", "~/.cache/eagle-harness")).expanduser() / "wheels"
+    wheel = next(cache.glob("vllm-0.16.0-*.whl"), None)
+    if wheel is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache),
+                        "vllm==0.16.0"], check=True)
+        wheel = next(cache.glob("vllm-0.16.0-*.whl"))
+    prefix = "vllm/transformers_utils/configs/speculators/"
+    with zipfile.ZipFile(wheel) as z:
+        algos_src, base_src = z.read(prefix + "algos.py").decode(), z.read(prefix + "base.py").decode()
+    algos = types.ModuleType("vllm_algos")
+    exec(compile(algos_src, prefix + "algos.py", "exec"), algos.__dict__)
+    base_src = base_src.replace("from vllm.transformers_utils.configs.speculators.algos import",
+                                "from vllm_algos import")
+    sys.modules["vllm_algos"] = algos
+    base = types.ModuleType("vllm_base")
+    exec(compile(base_src, prefix + "base.py", "exec"), base.__dict__)
+    raw = json.loads((checkpoint / "config.json").read_text())
+    base.SpeculatorsConfig.validate_speculators_config(raw)
+    out = base.SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(raw)))
+    assert base.SpeculatorsConfig.build_vllm_speculative_config(raw) == {
+        "method": "eagle3", "num_speculative_tokens": PIPELINE["k"]}
+    return out
+
+
+def test_evaluate_matches_a_literal_speculative_decoding_loop(pipeline_run, patched_speculators, tiny):
+    """evaluate computes acceptance in one pass; here the same number comes from the plain loop:
+    draft k tokens from the current prefix, verify greedily with the target, accept, repeat."""
+    _, specs, results, arts, _ = pipeline_run
+    acceptance = results["evaluate"]["acceptance_length"]
+    assert 1.0 <= acceptance <= PIPELINE["k"] + 1
+    metrics = json.loads((arts["evaluate"] / "metrics.json").read_text())
+    assert metrics["acceptance_length"] == acceptance and metrics["prompts"] == PIPELINE["heldout"]
+    script = r'''
+import json, sys, torch
+from stages import common
+from stages.evaluate import load_draft, draft_chains
+from stages.extract import HfCapture
+from transformers import AutoModelForCausalLM, AutoTokenizer
+spec = json.loads(sys.argv[1]); arts = {k: v for k, v in spec["inputs"].items()}
+torch.compiler.set_stance("force_eager")
+tok = AutoTokenizer.from_pretrained(spec["model"]["path"])
+target = AutoModelForCausalLM.from_pretrained(spec["model"]["path"]).eval()
+layers = json.load(open(arts["extract"] + "/extract.json"))["capture_layers"]
+capture, draft = HfCapture(target, layers), load_draft(__import__("pathlib").Path(arts["train"]) / "checkpoint")
+k, max_new, total, steps = spec["pipeline"]["k"], spec["pipeline"]["max_new_tokens"], 0, 0
+eos = {tok.eos_token_id, target.generation_config.eos_token_id}
+for line in open(arts["prepare"] + "/heldout.jsonl"):
+    msgs = json.loads(line)["messages"]
+    seq = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    start = len(seq)
+    with torch.no_grad():
+        seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))  # prefill: first token
+    while seq[-1] not in eos and len(seq) - start < max_new:
+        ids = torch.tensor(seq)
+        proposal = draft_chains(draft, [h[0] for h in capture(ids[None])], ids, k)[-1]
+        with torch.no_grad():
+            logits = target(torch.tensor([seq + proposal])).logits[0]
+        greedy = logits[len(seq) - 1:].argmax(-1).tolist()  # target's choice after each prefix
+        a = 0
+        while a < k and proposal[a] == greedy[a] and proposal[a] not in eos and len(seq) + a + 1 - start < max_new:
+            a += 1
+        seq += proposal[:a] + [greedy[a]]
+        total, steps = total + a + 1, steps + 1
+print(json.dumps({"acceptance_length": round(total / steps, 4), "steps": steps}))
+'''
+    env = {**os.environ, "PYTHONPATH": str(patched_speculators)}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(specs[4])], cwd=REMOTE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    literal = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert literal == {"acceptance_length": acceptance, "steps": metrics["steps"]}
