@@ -333,6 +333,8 @@ def render(results: dict[str, Any], console: Console, op: str) -> None:
             state = f"[{style}]{escape(p['state'])}[/{style}]" if style else escape(p["state"])
             table.add_row(escape(p["name"][:4]), escape(p["title"]), state, escape(p["detail"]))
         console.print(table)
+        if r.get("busy"):
+            console.print(f"[yellow]{escape(host)}: a patch operation is running there now (pid {escape(str(r['busy']))})[/yellow]")
         if r.get("interrupted"):
             console.print(f"[yellow]{escape(host)}: an interrupted {escape(r['interrupted'])} is pending; "
                           "the next patch.apply or patch.rollback completes it[/yellow]")

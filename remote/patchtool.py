@@ -375,8 +375,9 @@ def status(spec: dict) -> dict:
         return {**base, "ok": False, "state": "error", "error": str(e)}
     journal = _read_json(target.envdir / "journal.json")
     manifest = _read_json(target.envdir / "manifest.json")
-    return {**base, "ok": True, "state": "ok", "patches": patches, "files": files,
-            "manifest": manifest, "interrupted": journal["op"] if journal else None}
+    busy = lock_holder(target.envdir)
+    return {**base, "ok": True, "state": "ok", "patches": patches, "files": files, "manifest": manifest,
+            "busy": busy, "interrupted": journal["op"] if journal and busy is None else None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,6 +434,23 @@ class Lock:
         os.ftruncate(self.fd, 0)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def lock_holder(envdir: Path) -> str | None:
+    """The pid of a running apply/rollback on this environment, without taking or creating the lock."""
+    path = envdir / "lock"
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+    finally:
+        os.close(fd)
 
 
 def _hook(spec: dict, name: str) -> None:

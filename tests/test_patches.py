@@ -428,9 +428,11 @@ def test_concurrent_apply_refused(hooks_sshd, host_env, tmp_path):
     inv_obj = load_inventory(inventory_for(hooks_sshd, py, tmp_path))
     hosts = list(inv_obj.hosts.values())
     t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_before_swap": 4})["gpu1"])
-    _lock_pid(tmp_path)
+    pid = _lock_pid(tmp_path)
     second = hp.run_op(inv_obj, hosts, "apply")["gpu1"]
     assert second["ok"] is False and "another patch operation is running" in second["error"]
+    assert f"pid {pid}" in second["error"]
+    assert hp.run_op(inv_obj, hosts, "status")["gpu1"]["busy"] == str(pid)  # status still answers
     t.join(60)
     assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 7
 
@@ -452,6 +454,27 @@ def test_link_killed_during_apply_leaves_host_fully_applied(hooks_sshd, host_env
         assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
     rc, st, err = patch_cli("status", inventory_for(hooks_sshd, py, tmp_path))
     assert set(states(st["gpu1"]).values()) == {"applied"} and st["gpu1"]["interrupted"] is None
+
+
+def test_process_killed_before_swap_leaves_host_untouched(hooks_sshd, host_env, tmp_path):
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(hooks_sshd, py, tmp_path)
+    inv_obj = load_inventory(inv)
+    before = tree_digest(py)
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply",
+                                          test_hooks={"pause_before_swap": 30})["gpu1"])
+    remote_pid = _lock_pid(tmp_path)
+    envdir = next((tmp_path / "wd" / "patches").iterdir())
+    deadline = time.monotonic() + 30
+    while not list((envdir / "tx").rglob("*.py")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # staged copies written, nothing swapped yet
+    os.kill(remote_pid, signal.SIGKILL)
+    t.join(60)
+    assert tree_digest(py) == before and record_exact(py) == []
+    rc, st, err = patch_cli("status", inv)
+    assert set(states(st["gpu1"]).values()) == {"pristine"} and st["gpu1"]["interrupted"] is None
+    rc, ap, err = patch_cli("apply", inv)  # the next apply starts clean
+    assert rc == 0 and len(ap["gpu1"]["applied"]) == 7 and not (envdir / "tx").exists()
 
 
 def test_process_killed_mid_swap_is_completed_by_next_call(hooks_sshd, host_env, tmp_path):
