@@ -104,7 +104,13 @@ _patches.register_audit_extension()  # inv audit also shows patch states and the
 
 def _patch_op(op, inventory, hosts, json, **extra):
     inv, selected = load(inventory, hosts)
-    results = _patches.run_op(inv, selected, op, **extra)
+    if json:
+        results = _patches.run_op(inv, selected, op, **extra)
+    else:
+        from harness.cli import stderr as _err
+
+        with _err.status(f"patch {op} on {len(selected)} host(s)..."):
+            results = _patches.run_op(inv, selected, op, **extra)
     if json:
         emit_json(_patches.as_json(results))
     else:
