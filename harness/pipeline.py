@@ -75,13 +75,19 @@ def stage_code_hash(stage: str, root: Path | None = None) -> str:
     return h.hexdigest()
 
 
+def stage_settings(inv: Inventory, stage: str) -> dict:
+    """The pipeline settings ``stage`` is given: exactly those it reads, unset ones left to its defaults.
+    The run spec carries only these, so the runner's spec hash and the run id agree."""
+    every = inv.pipeline.model_dump(exclude_none=True)
+    return {k: every[k] for k in (*READS[stage], *COMMON_SETTINGS) if k in every}
+
+
 def run_ids(inv: Inventory, root: Path | None = None) -> dict[str, str]:
     """The content-addressed run id of every stage, given the inventory (no host needed)."""
     model = inv.model.model_dump() if inv.model else None
-    every = inv.pipeline.model_dump()
     ids: dict[str, str] = {}
     for stage, deps in PIPELINE.items():
-        settings = {k: every[k] for k in (*READS[stage], *COMMON_SETTINGS)}
+        settings = stage_settings(inv, stage)
         key = json.dumps({"stage": stage, "code": stage_code_hash(stage, root), "model": model,
                           "settings": settings, "inputs": {d: ids[d] for d in deps}}, sort_keys=True, default=str)
         ids[stage] = f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -146,7 +152,8 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
         inputs = {d: ids[d] for d in PIPELINE[stage]}
         gpu = conn.host.gpus > 0 and stage in GPU_STAGES
         t0 = time.monotonic()
-        launched = runs.launch(conn, inv, stage, run_id=rid, inputs=inputs, gpu=gpu)
+        launched = runs.launch(conn, inv, stage, run_id=rid, inputs=inputs, gpu=gpu,
+                               extra={"pipeline": stage_settings(inv, stage)})
         if not launched.launched and launched.status.get("state") == "succeeded":
             say(f"{stage}: skipped, inputs unchanged since run {rid}")
             st = launched.status
