@@ -173,6 +173,11 @@ def test_list_and_bad_run_id(host, tmp_path):
     r = run_inv("runs.list", "--json", "--inventory", inv.source)
     assert r.returncode == 0, r.stderr
     assert [x["run_id"] for x in json.loads(r.stdout)["gpu1"]] == ["l1"]
+    r = run_inv("runs.logs", "l1", "--follow", "--inventory", inv.source, env={"HARNESS_RUNS_DIR": str(tmp_path / "cli")})
+    assert r.returncode == 0, r.stderr
+    assert "line 3 of 3" in r.stdout and "run l1 succeeded" in r.stderr
+    r = run_inv("runs.logs", "l1", "--json", "--inventory", inv.source)
+    assert json.loads(r.stdout)["gpu1"]["state"] == "succeeded"
     r = run_inv("runs.status", "nope", "--inventory", inv.source)
     assert r.returncode != 0 and "no run nope" in r.stderr and "Traceback" not in r.stderr
     r = run_inv("runs.status", "../etc", "--inventory", inv.source)
