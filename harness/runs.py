@@ -130,7 +130,8 @@ class Launch:
 
 
 def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, code_sha: str, gpu: bool,
-                   secret_names: list[str], poll_interval: float = 2.0, templates_dir: Path | None = None) -> str:
+                   secret_names: list[str], poll_interval: float = 2.0, lock_wait: int = 0,
+                   templates_dir: Path | None = None) -> str:
     """The wrapper script for one run, from templates/run/wrapper.sh.j2 (paths stay ``$HOME``-relative
     when the workdir is ``~/...``; the attempt number is filled in on the host)."""
     wd = host.workdir.rstrip("/")
@@ -144,7 +145,7 @@ def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, c
         "service_start": (svc.start if svc and gpu else "") or "",
         "service_health": (svc.health if svc and gpu else "") or "",
         "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.timeout if svc else 300,
-        "poll_interval": poll_interval, "secret_names": secret_names,
+        "poll_interval": poll_interval, "secret_names": secret_names, "lock_wait": lock_wait,
     }
     return render_template((templates_dir or TEMPLATES_DIR) / "run", "wrapper.sh.j2", ctx)
 
@@ -161,12 +162,15 @@ def stage_spec(inv: Inventory | None, stage: str, extra: dict | None = None) -> 
 def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: str | None = None,
            inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
            code_root: Path | None = None, environ: dict | None = None, detach: str = "auto",
-           poll_interval: float = 2.0, wait_s: float = 5.0) -> Launch:
+           poll_interval: float = 2.0, wait_s: float = 5.0, lock_wait: int = 0) -> Launch:
     """Start ``stage`` on ``conn``'s host, detached; returns at once with the run's first status.
 
     ``inputs`` maps a stage name to the run id whose artifacts it reads; ``gpu`` (default: the host
     has GPUs) turns on the GPU guard; ``run_id`` makes the launch idempotent (a finished run is not
-    run again, a failed or stopped one is). ``code_root`` replaces remote/ (tests)."""
+    run again, a failed or stopped one is). ``lock_wait``: a GPU stage that finds the host lock taken
+    waits up to that many seconds on the host (state ``waiting``) instead of being refused -- for a
+    pipeline whose previous GPU stage is still restoring the service. ``code_root`` replaces
+    remote/ (tests)."""
     host = conn.host
     run_id = check_run_id(run_id or new_run_id(stage))
     gpu = host.gpus > 0 if gpu is None else gpu
@@ -176,7 +180,7 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
     spec_hash = hashlib.sha256(json.dumps([sspec, inputs or {}], sort_keys=True, default=str).encode()).hexdigest()
     code_sha, tar = code_bundle(code_root)
     wrapper = render_wrapper(host, run_id=run_id, stage=stage, spec_hash=spec_hash, code_sha=code_sha, gpu=gpu,
-                             secret_names=sorted(envf.secrets), poll_interval=poll_interval)
+                             secret_names=sorted(envf.secrets), poll_interval=poll_interval, lock_wait=lock_wait)
     req = {"run_id": run_id, "stage_spec": sspec, "inputs": inputs or {}, "spec_hash": spec_hash,
            "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s}
     res = _runctl(conn, "launch", **req)
@@ -406,12 +410,12 @@ def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id
               inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
               progress: bool = True, console=None, pull: bool = False, dest: Path | None = None,
               pull_all: bool = False, code_root: Path | None = None, environ: dict | None = None,
-              poll_interval: float = 2.0, on_line: Callable[[str], None] | None = None) -> dict:
+              poll_interval: float = 2.0, on_line: Callable[[str], None] | None = None, lock_wait: int = 0) -> dict:
     """Launch ``stage``, follow it to the end with live progress, raise ``HarnessError`` if it did not
     succeed, optionally pull its artifacts; returns the final status plus ``result`` (result.json) and
     ``pulled`` (the local directory) when pulled."""
     h = launch(conn, inv, stage, run_id=run_id, inputs=inputs, extra=extra, gpu=gpu, code_root=code_root,
-               environ=environ, poll_interval=poll_interval)
+               environ=environ, poll_interval=poll_interval, lock_wait=lock_wait)
     masker = Masker(secret_values(inv, environ))
     st = h.status if (not h.launched and h.status.get("state") in FINAL) else \
         follow(conn, h.run_id, progress=progress, console=console, masker=masker, on_line=on_line)

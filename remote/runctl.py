@@ -25,7 +25,7 @@ import sys
 import tarfile
 import time
 
-ACTIVE = ("launching", "starting", "guarding", "running", "restoring", "hashing")
+ACTIVE = ("launching", "starting", "waiting", "guarding", "running", "restoring", "hashing")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -351,7 +351,7 @@ def stop(spec):
     while time.time() < deadline:
         cur = read_json(os.path.join(rdir, "status.json"), {})
         pgid = cur.get("stage_pid") or pgid
-        if not (pgid and group_alive(pgid)) and cur.get("state") not in ("launching", "starting", "running"):
+        if not (pgid and group_alive(pgid)) and cur.get("state") not in ("launching", "starting", "waiting", "running"):
             break
         time.sleep(0.05)
     else:

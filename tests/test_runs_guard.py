@@ -127,11 +127,20 @@ def test_host_lock_refuses_a_second_gpu_stage(guarded, tmp_path):
     # a CPU-only stage does not need the lock
     c = runs.launch(conn, inv, "teststage", run_id="cpuC", gpu=False, code_root=code, environ=ENV)
     assert _follow(conn, "cpuC", tmp_path)["state"] == "succeeded"
-    # stopping the GPU run restores the service too
+    # a launch that may queue waits on the host for the lock instead
+    d = runs.launch(conn, inv, "teststage", run_id="lockD", extra={"markers": str(svc.markers)}, code_root=code,
+                    environ=ENV, poll_interval=0.2, lock_wait=60)
+    st = runs.status(conn, "lockD")
+    assert d.launched and st["state"] == "waiting" and "host lock held by run lockA" in st["error"]
+    # stopping the GPU run restores the service too, then the queued run gets the lock
     runs.stop(conn, "lockA", grace=5)
     st = wait_for(lambda: (s := runs.status(conn, "lockA"))["state"] in runs.FINAL and s)
     assert st["state"] == "stopped" and st["service"]["healthy"] is True
-    assert svc.events()[-2:] == ["service-start", "service-healthy"]
+    st = _follow(conn, "lockD", tmp_path)
+    assert st["state"] == "succeeded"
+    ev = svc.events()
+    assert ev[-7:] == ["service-start", "service-healthy", "service-stop", "stage-start", "stage-end",
+                       "service-start", "service-healthy"]
     assert a.launched and b.launched and c.launched
 
 
