@@ -141,11 +141,14 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     # Upstream runs that this invocation will not run must already have succeeded.
     needed = {d for s in stages for d in PIPELINE[s] if d not in stages}
     for d in sorted(needed, key=ORDER.index):
-        st = runs.status(conn, ids[d])
-        if st.get("state") != "succeeded":
+        try:
+            state = runs.status(conn, ids[d]).get("state")
+        except HarnessError:  # no such run on the host
+            state = None
+        if state != "succeeded":
             raise HarnessError(
                 f"host {conn.name}: --from {stages[0]} needs a successful {d} run with these settings ({ids[d]}), "
-                f"but it is {st.get('state') or 'absent'}; run: inv pipeline --from {d}")
+                f"but it is {state or 'absent'}; run: inv pipeline --from {d}")
     outcomes: list[StageOutcome] = []
     for stage in stages:
         rid = ids[stage]

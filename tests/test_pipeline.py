@@ -105,7 +105,7 @@ def test_from_needs_upstream_runs_with_same_settings(setup_inv):
     inv = write(seed=12345)  # nothing ran with these settings
     r, _ = run_pipeline_cli(root, inv, "--from", "train")
     assert r.returncode != 0
-    assert "needs a successful extract run" in r.stderr and "Traceback" not in r.stderr
+    assert "needs a successful prepare run" in r.stderr and "inv pipeline --from prepare" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_stage_name_is_one_line(setup_inv):
