@@ -8,11 +8,19 @@ Prints medians of several runs and the ratios the issue sets bars for:
   8 hosts / 1 host (ours)   <= 1.5
   ansible / ours            >= 5
 Needs ansible-core (``pip install -e '.[bench]'`` or an ``ansible-playbook`` on PATH; set ANSIBLE_PLAYBOOK).
+
+The remote user: ``--user`` (default: yourself). Every SSH command runs the user's shell first, and a
+~/.bashrc that runs e.g. ``pyenv init`` costs ~200 ms of CPU per command; with 8 "hosts" sharing this
+machine's cores that cost, not the harness, dominates. Run as root, ``--user eh-bench`` creates a
+plain system account (no rc files) so both tools are measured on a host as lean as a GPU box's
+service account; ``--python`` is then /usr/bin/python3.
 """
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
+import pwd
 import shutil
 import statistics
 import subprocess
@@ -22,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from loopback import start_hosts  # noqa: E402
 
@@ -38,11 +46,30 @@ def timed(argv: list[str], env: dict | None = None) -> float:
     return dt
 
 
+def ensure_user(name: str) -> None:
+    """A plain account with no rc files, login by key only (a '*' password: not locked for sshd)."""
+    try:
+        pwd.getpwnam(name)
+        return
+    except KeyError:
+        pass
+    if os.geteuid() != 0:
+        raise SystemExit(f"user {name} does not exist; create it or run as root")
+    subprocess.run(["useradd", "--system", "--shell", "/bin/sh", "--home-dir", "/nonexistent", "-M", name], check=True)
+    subprocess.run(["usermod", "-p", "*", name], check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--user", default=getpass.getuser(), help="remote user (created when missing and run as root)")
+    ap.add_argument("--python", default=None, help="remote python (default: this one, or /usr/bin/python3 "
+                                                      "for another user)")
     args = ap.parse_args()
+    if args.user != getpass.getuser():
+        ensure_user(args.user)
+    python = args.python or (sys.executable if args.user == getpass.getuser() else "/usr/bin/python3")
     playbook_bin = os.environ.get("ANSIBLE_PLAYBOOK") or shutil.which("ansible-playbook") or str(
         Path("~/.cache/eagle-harness/ansible-venv/bin/ansible-playbook").expanduser())
     if not Path(playbook_bin).exists():
@@ -50,23 +77,25 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        tmp.chmod(0o755)  # the remote user reads the shared authorized_keys file in here
         hosts = start_hosts(tmp, args.hosts)
         try:
             kh = tmp / "known_hosts"
             kh.write_text("".join(h.known_hosts_line + "\n" for h in hosts))
-            inv = {"hosts": {h.name: h.entry(known_hosts=str(kh)) for h in hosts}}
+            inv = {"hosts": {h.name: h.entry(known_hosts=str(kh), user=args.user, python=python, workdir="/tmp/eh-bench")
+                             for h in hosts}}
             (tmp / "inventory.yaml").write_text(yaml.safe_dump(inv))
             ini = ["[gpu]"] + [
-                f"{h.name} ansible_host=127.0.0.1 ansible_port={h.port} ansible_user={h.entry()['user']} "
-                f"ansible_ssh_private_key_file={h.identity} ansible_python_interpreter={sys.executable}"
+                f"{h.name} ansible_host=127.0.0.1 ansible_port={h.port} ansible_user={args.user} "
+                f"ansible_ssh_private_key_file={h.identity} ansible_python_interpreter={python}"
                 for h in hosts]
             (tmp / "hosts.ini").write_text("\n".join(ini) + "\n")
             (tmp / "audit.yml").write_text(yaml.safe_dump([{
                 "hosts": "gpu", "gather_facts": True,
                 "tasks": [{"name": "probe", "ansible.builtin.script": {
-                    "cmd": str(REPO / "remote" / "probe.py"), "executable": sys.executable}}],
+                    "cmd": str(REPO / "remote" / "probe.py"), "executable": python}}],
             }]))
-            env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_FORKS=str(args.hosts),
+            env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_REMOTE_TMP="/tmp/eh-bench-ansible", ANSIBLE_FORKS=str(args.hosts),
                        ANSIBLE_SSH_ARGS=f"-o UserKnownHostsFile={kh} -o ControlMaster=no",
                        ANSIBLE_NOCOLOR="1", ANSIBLE_CONFIG=str(tmp / "none.cfg"))
             ours = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "audit", "--json",
@@ -100,7 +129,8 @@ def main() -> None:
     n = args.hosts
     for k, (wall, cpu) in inproc.items():
         print(f"in-process, {k} host(s): wall {wall * 1000:6.0f} ms, harness CPU {cpu * 1000:5.0f} ms")
-    print(f"cores on this machine: {os.cpu_count()} (the {n} loopback hosts' sshd + python run on them too)")
+    print(f"remote user {args.user}, python {python}; cores on this machine: {os.cpu_count()} "
+          f"(the {n} loopback hosts' sshd + python run on them too)")
     for label, t in results.items():
         print(f"{label:<20} {t * 1000:8.0f} ms")
     print(f"ours {n} hosts / 1 host:      {results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x   (bar <= 1.5)")
