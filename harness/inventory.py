@@ -32,8 +32,10 @@ class ServiceSpec(_Strict):
     stop: str | None = None
     start: str | None = None
     health: str | None = None
-    #: seconds to wait for the GPUs to free up after ``stop``, and for ``health`` after ``start``
-    timeout: int = 300
+    #: seconds to wait for the GPUs to free up after ``stop``
+    timeout: int = Field(default=300, ge=1)
+    #: seconds to wait for ``health`` after ``start`` (loading a 1T model takes many minutes)
+    health_timeout: int = Field(default=1800, ge=1)
 
 
 class HostSpec(_Strict):

@@ -155,8 +155,11 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
         inputs = {d: ids[d] for d in PIPELINE[stage]}
         gpu = conn.host.gpus > 0 and stage in GPU_STAGES
         t0 = time.monotonic()
+        # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come
+        # back healthy; queue behind it rather than be refused by the host's GPU lock
         launched = runs.launch(conn, inv, stage, run_id=rid, inputs=inputs, gpu=gpu,
-                               extra={"pipeline": stage_settings(inv, stage)})
+                               extra={"pipeline": stage_settings(inv, stage)},
+                               lock_wait=(conn.host.service.health_timeout + 600) if gpu and conn.host.service else 0)
         if not launched.launched and launched.status.get("state") == "succeeded":
             say(f"{stage}: skipped, inputs unchanged since run {rid}")
             st = launched.status

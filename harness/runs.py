@@ -144,7 +144,7 @@ def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, c
         "service_stop": (svc.stop if svc and gpu else "") or "",
         "service_start": (svc.start if svc and gpu else "") or "",
         "service_health": (svc.health if svc and gpu else "") or "",
-        "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.timeout if svc else 300,
+        "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.health_timeout if svc else 1800,
         "poll_interval": poll_interval, "secret_names": secret_names, "lock_wait": lock_wait,
     }
     return render_template((templates_dir or TEMPLATES_DIR) / "run", "wrapper.sh.j2", ctx)

@@ -21,6 +21,7 @@ SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 def start_hosts(root: Path, n: int, prefix: str = "host") -> list["SshdHost"]:
     """Start ``n`` loopback hosts under ``root`` sharing one user key (for benchmarks)."""
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    Path(root).mkdir(parents=True, exist_ok=True)
     key, ak = user_keypair(Path(root))
     hosts = []
     for i in range(n):
