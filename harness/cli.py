@@ -22,8 +22,9 @@ COMMON_HELP = {
     "json": "print JSON only (for machines) instead of the table",
 }
 
-stdout = Console(highlight=False)
-stderr = Console(stderr=True, highlight=False)
+# soft_wrap: a message stays one line when output is not a terminal (rich wraps at 80 columns otherwise)
+stdout = Console(highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def clean_errors(fn: Callable) -> Callable:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import threading
@@ -32,7 +33,7 @@ import paramiko
 
 from harness import REMOTE_DIR
 from harness.errors import HarnessError, HostKeyError, HostUnreachable
-from harness.inventory import HostSpec, Inventory, expand_local
+from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
 
 CONNECT_TIMEOUT = 10
 KEEPALIVE_SECONDS = 15
@@ -41,6 +42,10 @@ KEEPALIVE_SECONDS = 15
 # they can import each other, calls entry.main(spec) and prints its result as JSON on stdout.
 _BOOTSTRAP = r'''
 import json, sys, types, traceback
+if sys.version_info < (3, 8):
+    sys.stdout.write(json.dumps({"ok": False, "error": "python %d.%d is too old: the harness needs >= 3.8; "
+                                 "point 'python' at a newer interpreter" % sys.version_info[:2]}))
+    sys.exit(0)
 d = json.loads(sys.stdin.buffer.read())
 for name, src in d["modules"].items():
     m = types.ModuleType(name); m.__file__ = "<remote/%s.py>" % name
@@ -141,10 +146,8 @@ def endpoint_for(host: HostSpec, inv: Inventory | None, _depth: int = 0) -> Endp
             known.append(p)
     pinned = []
     if host.host_key:
-        parts = host.host_key.split()
-        if not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
-            parts = parts[1:]
-        pinned.append(f"{known_hosts_name(hostname, port)} {parts[0]} {parts[1]}")
+        ktype, body = split_host_key(host.host_key)
+        pinned.append(f"{known_hosts_name(hostname, port)} {ktype} {body}")
     ep = Endpoint(host=host, hostname=hostname, port=port, user=user, identity=identity,
                   known_hosts=known, pinned=pinned)
     if host.jump:
@@ -185,11 +188,12 @@ def fabric_connection(ep: Endpoint, timeout: float, gateway: "fabric.Connection 
     Returns ``(connection, policy)``; the policy remembers an unknown key for the error message.
     """
     cfg = fabric.Config(overrides={"load_ssh_configs": False})
-    conn = fabric.Connection(
-        ep.hostname, user=ep.user, port=ep.port, config=cfg, gateway=gateway, connect_timeout=timeout,
-        connect_kwargs={"key_filename": ep.identity or None, "look_for_keys": not ep.identity,
-                        "allow_agent": not ep.identity, "banner_timeout": timeout, "auth_timeout": timeout},
-    )
+    kwargs = {"look_for_keys": not ep.identity, "allow_agent": not ep.identity,
+              "banner_timeout": timeout, "auth_timeout": timeout}
+    if ep.identity:  # Fabric cannot take key_filename=None
+        kwargs["key_filename"] = ep.identity
+    conn = fabric.Connection(ep.hostname, user=ep.user, port=ep.port, config=cfg, gateway=gateway,
+                             connect_timeout=timeout, connect_kwargs=kwargs)
     policy = _RejectAndRemember()
     conn.client.set_missing_host_key_policy(policy)
     for name, per_type in _host_keys(ep).items():
@@ -370,7 +374,7 @@ class HostConnection:
             try:
                 out, err = proc.communicate(stdin, timeout=timeout)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
             return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
         chunks: dict[int, list[str]] = {1: [], 2: []}
@@ -392,7 +396,7 @@ class HostConnection:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
         for t in threads:
             t.join()

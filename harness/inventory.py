@@ -8,6 +8,7 @@ the file, the field path and the line it is on, e.g.::
 """
 from __future__ import annotations
 
+import base64
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,24 @@ from harness.errors import HarnessError
 
 DEFAULT_INVENTORY = "inventory.yaml"
 INVENTORY_ENV = "HARNESS_INVENTORY"
+
+
+def split_host_key(line: str) -> tuple[str, str]:
+    """(key type, base64 body) of a pinned key: "type base64 [comment]" or a known_hosts line
+    "names type base64"; the body must decode as a key of that type."""
+    import paramiko  # noqa: PLC0415 - only needed when a key is pinned
+
+    parts = line.split()
+    if parts and not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
+        parts = parts[1:]
+    if len(parts) < 2 or not parts[0].startswith(("ssh-", "ecdsa-", "sk-")):
+        raise ValueError("expected a public key line such as 'ssh-ed25519 AAAA...'")
+    try:
+        paramiko.PKey.from_type_string(parts[0], base64.b64decode(parts[1], validate=True))
+    except Exception:  # noqa: BLE001 - binascii, paramiko and struct errors all mean "not a key"
+        raise ValueError(f"the {parts[0]} key's base64 body does not decode to a key; copy the line from "
+                         "the host's /etc/ssh/ssh_host_*_key.pub")
+    return parts[0], parts[1]
 
 
 class _Strict(BaseModel):
@@ -60,12 +79,8 @@ class HostSpec(_Strict):
     @field_validator("host_key")
     @classmethod
     def _host_key_shape(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        parts = v.split()
-        # Accept "type base64" or a full known_hosts line "names type base64".
-        if len(parts) < 2 or not any(p.startswith(("ssh-", "ecdsa-", "sk-")) for p in parts[:2]):
-            raise ValueError("expected a public key line such as 'ssh-ed25519 AAAA...'")
+        if v is not None:
+            split_host_key(v)
         return v
 
     @field_validator("env")
@@ -155,7 +170,7 @@ class Inventory(_Strict):
 # ---------------------------------------------------------------------------------------------------
 # loading
 
-def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+def line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     """The 1-based line of the deepest YAML node that ``loc`` (a pydantic error path) reaches."""
     if node is None:
         return None
@@ -218,7 +233,7 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
         err = e.errors()[0]
         loc = tuple(err["loc"])
         field = ".".join(str(x) for x in loc) or "(top level)"
-        line = _line_of(node, loc)
+        line = line_of(node, loc)
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise HarnessError(f"{p}:{line}: {field}: {_describe(err)}{more}")
     inv.source = str(p)
@@ -233,20 +248,20 @@ def _check_references(inv: Inventory, node: yaml.Node, p: Path) -> None:
         if host.identity:
             key = expand_local(host.identity, base)
             if not key.is_file():
-                line = _line_of(node, ("hosts", name, "identity"))
+                line = line_of(node, ("hosts", name, "identity"))
                 raise HarnessError(f"{p}:{line}: hosts.{name}.identity: key file {key} not found")
         if host.jump and host.jump not in inv.hosts and not (
                 re.fullmatch(r"(?:[^@\s]+@)?[^@:\s]+(?::\d+)?", host.jump) and ("@" in host.jump or ":" in host.jump)):
-            line = _line_of(node, ("hosts", name, "jump"))
+            line = line_of(node, ("hosts", name, "jump"))
             raise HarnessError(
                 f"{p}:{line}: hosts.{name}.jump: unknown jump host {host.jump!r}: name a host of this "
                 "inventory or give user@host:port")
         if host.jump == name:
-            line = _line_of(node, ("hosts", name, "jump"))
+            line = line_of(node, ("hosts", name, "jump"))
             raise HarnessError(f"{p}:{line}: hosts.{name}.jump: a host cannot be its own jump host")
     for i, secret in enumerate(inv.secrets):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", secret):
-            line = _line_of(node, ("secrets", i))
+            line = line_of(node, ("secrets", i))
             raise HarnessError(f"{p}:{line}: secrets.{i}: {secret!r} is not an environment variable name")
 
 
@@ -263,6 +278,8 @@ def select_hosts(inv: Inventory, hosts: str | None = None) -> list[HostSpec]:
     if not hosts:
         return list(inv.hosts.values())
     names = [h.strip() for h in hosts.split(",") if h.strip()]
+    if not names:
+        raise HarnessError(f"--hosts {hosts!r} names no host; known: {', '.join(inv.hosts)}")
     unknown = [n for n in names if n not in inv.hosts]
     if unknown:
         raise HarnessError(

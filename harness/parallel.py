@@ -5,7 +5,9 @@ hosts' work still completes and the report can show every host.
 """
 from __future__ import annotations
 
+import os
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -36,7 +38,7 @@ class HostOutput:
     """Prints lines prefixed with their host, one whole line at a time, from many threads."""
 
     def __init__(self, console: Console | None = None, enabled: bool = True):
-        self.console = console or Console(stderr=True, highlight=False)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
         self.enabled = enabled
         self._lock = threading.Lock()
 
@@ -62,6 +64,11 @@ def on_hosts(hosts: list[HostSpec], fn: Callable[[HostSpec], T], workers: int = 
             return HostFailure(h.name, "host key", str(e))
         except HarnessError as e:
             return HostFailure(h.name, "error", str(e))
+        except Exception as e:  # noqa: BLE001 - one host's bug must not take the others down
+            if os.environ.get("HARNESS_DEBUG"):
+                traceback.print_exc()
+            return HostFailure(h.name, "error", f"host {h.name}: internal error {type(e).__name__}: {e} "
+                                                "(set HARNESS_DEBUG=1 for the traceback)")
 
     if len(hosts) <= 1:
         return {h.name: guarded(h) for h in hosts}

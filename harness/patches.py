@@ -28,6 +28,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from harness import PATCHES_DIR
+from harness.inventory import line_of as yaml_line_of
 from harness.errors import HarnessError
 
 WHEEL_CACHE = Path("~/.cache/eagle-harness/wheels").expanduser()
@@ -93,26 +94,11 @@ class Series(_Strict):
 # loading
 
 def _line_of(text: str, loc: tuple) -> int | None:
-    """Best-effort line of a pydantic error location in the YAML text."""
+    """Best-effort line of a pydantic error location in the YAML text (the inventory's lookup)."""
     try:
-        node = yaml.compose(text)
+        return yaml_line_of(yaml.compose(text), loc)
     except yaml.YAMLError:
         return None
-    line = None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == str(key):
-                    node, line = v, k.start_mark.line + 1
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
 
 
 def load_series(path: Path) -> Series:
@@ -258,6 +244,12 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 # ------------------------------------------------------------------------------------------------
 # running on hosts
 
+def host_spec(host, op: str, payload: dict[str, Any] | None = None, **extra) -> dict[str, Any]:
+    """patchtool's spec for ``op`` on ``host``: every version's series plus the host facts it needs."""
+    return {"op": op, "package": "speculators", "series": payload if payload is not None else build_payload(),
+            "workdir": host.workdir, "facts": {"profile": host.profile}, **extra}
+
+
 def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> dict[str, Any]:
     """Run patchtool ``op`` on every host in parallel: one SSH round trip per host.
 
@@ -268,8 +260,7 @@ def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **ex
     payload = build_payload(root=root)
 
     def one(host):
-        spec = {"op": op, "package": "speculators", "series": payload, "workdir": host.workdir,
-                "facts": {"profile": host.profile}, **extra}
+        spec = host_spec(host, op, payload, **extra)
         with open_host(host, inv) as conn:
             try:
                 result = conn.run_script("patchtool", spec)
@@ -351,8 +342,7 @@ def audit_extend(inv, host, spec: dict) -> list[str]:
         spec["patches"] = None
         spec["patches_error"] = str(e)
         return []
-    spec["patches"] = {"op": "status", "package": "speculators", "series": payload, "workdir": host.workdir,
-                       "facts": {"profile": host.profile}}
+    spec["patches"] = host_spec(host, "status", payload)
     spec["apicheck"] = {"fixes": api_fixes(payload)}
     return ["patchtool", "apicheck"]
 

@@ -114,9 +114,7 @@ def _ensure_patched(conn: HostConnection, inv: Inventory, say: Callable[[str], N
     before minutes are spent loading a model into code that would break."""
     from harness import patches  # imported here to keep the CLI's start-up light
 
-    spec = {"op": "apply", "package": "speculators", "series": patches.build_payload(),
-            "workdir": conn.host.workdir, "facts": {"profile": conn.host.profile}}
-    res = conn.run_script("patchtool", spec)
+    res = conn.run_script("patchtool", patches.host_spec(conn.host, "apply"))
     if not res.get("ok"):
         raise HarnessError(f"host {conn.name}: patching speculators failed: {res.get('error')}; "
                            "see inv patch.status (or run with --no-patch if you manage the patches yourself)")
@@ -132,7 +130,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     """Run the selected stages on ``conn``'s host; returns one outcome per stage (raises on failure)."""
     from harness import runs
 
-    console = console or Console(stderr=True, highlight=False)
+    console = console or Console(stderr=True, highlight=False, soft_wrap=True)
     say = say or (lambda m: console.print(f"[bold cyan]\\[{conn.name}][/] {m}"))
     stages = select_stages(start, stop)
     ids = run_ids(inv)

@@ -225,7 +225,7 @@ class Target:
         try:
             dist = metadata.distribution(self.package)
         except metadata.PackageNotFoundError:
-            raise Refused(f"{self.package} is not installed for {sys.executable}")
+            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it")
         self.version = dist.version
         self.site = Path(str(dist.locate_file(""))).resolve()
         self.record = {str(f).replace(os.sep, "/"): f.hash.value for f in (dist.files or [])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,54 @@ def test_exec_stdin_is_fast(sshd, tmp_path):
         r = conn.exec("sha256sum", stdin=data, timeout=20)
     import hashlib
     assert r.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+
+
+def test_host_without_identity_uses_ssh_config_key(sshd, tmp_path, monkeypatch):
+    """No 'identity' in the inventory: the key comes from ~/.ssh/config (Fabric must not get None)."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(f"Host 127.0.0.1\n  IdentityFile {sshd.identity}\n")
+    monkeypatch.setenv("HOME", str(home))
+    entry = sshd.entry()
+    del entry["identity"]
+    inv = load_inventory(write_inventory(tmp_path, {"h": entry}))
+    with open_host(inv.hosts["h"], inv) as conn:
+        assert conn.exec("echo keyed").stdout == "keyed\n"
+
+
+@pytest.mark.parametrize("pin,expected", [
+    ("h1 ssh-ed25519", "expected a public key line"),
+    ("ssh-ed25519 AAAAnot-base64!!", "does not decode to a key"),
+])
+def test_bad_pinned_host_key_is_an_inventory_error(tmp_path, pin, expected):
+    p = write_inventory(tmp_path, {"h": {"address": "127.0.0.1", "host_key": pin}})
+    with pytest.raises(HarnessError) as e:
+        load_inventory(p)
+    assert ":4: hosts.h.host_key:" in str(e.value) and expected in str(e.value)
+
+
+def test_one_hosts_internal_error_does_not_stop_the_others(tmp_path):
+    from harness.parallel import HostFailure, on_hosts
+
+    inv = load_inventory(write_inventory(tmp_path, {"a": {"transport": "local"}, "b": {"transport": "local"}}))
+
+    def work(h):
+        if h.name == "a":
+            raise KeyError("boom")
+        return "fine"
+
+    out = on_hosts(list(inv.hosts.values()), work)
+    assert isinstance(out["a"], HostFailure) and "internal error KeyError" in out["a"].message
+    assert out["b"] == "fine"
+
+
+def test_too_old_python_is_one_line(sshd, tmp_path):
+    # a stand-in interpreter that reports an old version: a real python run with a patched version_info
+    fake = tmp_path / "python3.6"
+    fake.write_text("#!/bin/sh\nexec " + sys.executable + " -c 'import sys; sys.version_info = (3, 6, 9); "
+                    "exec(sys.argv[2])' \"$@\"\n")
+    fake.chmod(0o755)
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(python=str(fake))}))
+    with open_host(inv.hosts["h"], inv) as conn:
+        with pytest.raises(HarnessError, match="python 3.6 is too old"):
+            conn.run_script("probe", {})
