@@ -49,7 +49,8 @@ def split_requirements(text: str) -> tuple[str, str]:
     normal, nodeps = [], []
     for line in text.splitlines():
         (nodeps if line.rstrip().endswith(NO_DEPS) else normal).append(line.split(NO_DEPS)[0].rstrip())
-    return "\n".join(normal) + "\n", "\n".join(l for l in nodeps if l.strip()) + "\n"
+    nodeps = [l for l in nodeps if l.strip()]
+    return "\n".join(normal) + "\n", ("\n".join(nodeps) + "\n") if nodeps else ""
 
 
 def setup_script(host: HostSpec, requirements: str, base_python: str = "python3") -> str:
@@ -81,9 +82,9 @@ def run_setup(conn: HostConnection, on_line=None, base_python: str = "python3", 
     cmd = "\n".join([
         f"set -u; d={d}; mkdir -p \"$d\"",
         'if [ -f "$d/setup.pid" ] && kill -0 "$(cat "$d/setup.pid")" 2>/dev/null; then echo "@@setup re-attaching to a running setup";',
-        f'else printf %s {shlex.quote(script)} > "$d/setup.sh"; rm -f "$d/setup.rc";',
+        f'else printf %s {shlex.quote(script)} > "$d/setup.sh"; rm -f "$d/setup.rc"; : > "$d/setup.log";',
         '  setsid bash -c \'bash "$1/setup.sh" > "$1/setup.log" 2>&1; echo $? > "$1/setup.rc"\' _ "$d" < /dev/null > /dev/null 2>&1 &',
-        '  echo $! > "$d/setup.pid"; sleep 0.2; fi',
+        '  echo $! > "$d/setup.pid"; fi',
         'tail -n +1 --pid="$(cat "$d/setup.pid")" -f "$d/setup.log" 2>/dev/null',
         'for i in 1 2 3 4 5 6 7 8 9 10; do [ -f "$d/setup.rc" ] && break; sleep 0.3; done',
         'exit "$(cat "$d/setup.rc" 2>/dev/null || echo 99)"',

