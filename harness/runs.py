@@ -110,8 +110,16 @@ def check_run_id(run_id: str) -> str:
 
 
 def _runctl(conn: HostConnection, action: str, **spec) -> dict:
-    spec = {"action": action, "workdir": conn.host.workdir, **spec}
-    return conn.run_script("runctl", spec, remote_dir=REMOTE_DIR)
+    """One runctl action on the host. ``host`` lets its messages name the inventory's host (for the
+    command they suggest); a refusal reads "host H: <reason>", without the script's name."""
+    spec = {"action": action, "workdir": conn.host.workdir, "host": conn.name, **spec}
+    try:
+        return conn.run_script("runctl", spec, remote_dir=REMOTE_DIR)
+    except HarnessError as e:
+        prefix = f"host {conn.name}: runctl: "
+        if str(e).startswith(prefix):
+            raise HarnessError(f"host {conn.name}: " + str(e)[len(prefix):]) from None
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -368,7 +376,8 @@ def _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, 
     from the offset reached, for up to ``reconnect_s`` seconds."""
     lost_since = None
     while not final:
-        spec = {"action": "follow", "workdir": conn.host.workdir, "run_id": run_id, "offset": state.offset,
+        spec = {"action": "follow", "workdir": conn.host.workdir, "host": conn.name, "run_id": run_id,
+                "offset": state.offset,
                 "attempt": state.attempt, "max_s": max_s}
         cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
         try:

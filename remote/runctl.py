@@ -243,10 +243,17 @@ def launch(spec):
 # ---------------------------------------------------------------------------------------------------
 # reading runs
 
+def no_run(spec):
+    """The message for an unknown run id, with the command that lists the ones there are."""
+    where = " --hosts %s" % spec["host"] if spec.get("host") else ""
+    return ("no run %s on this host (under %s); list the runs with: inv runs.list%s"
+            % (spec["run_id"], os.path.join(workdir(spec), "runs"), where))
+
+
 def status(spec):
     st = read_status(run_dir(spec))
     if st is None:
-        raise Refused("no run %s on this host (under %s)" % (spec["run_id"], os.path.join(workdir(spec), "runs")))
+        raise Refused(no_run(spec))
     return st
 
 
@@ -304,7 +311,7 @@ def follow(spec):
 
     st = read_status(rdir)
     if st is None:
-        emit({"error": "no run %s on this host" % spec["run_id"]})
+        emit({"error": no_run(spec)})
         return
     if attempt is not None and st.get("attempt") != attempt:
         emit({"reset": st.get("attempt")})
