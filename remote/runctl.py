@@ -189,6 +189,20 @@ def spawn(rdir, rid, attempt, how):
     return "setsid"
 
 
+def check_model_path(spec, rdir):
+    """Refuse a model.path that names a path on this host (starts with '/', '~' or '.') which is not
+    there: the stage would take it for a hub id and fail minutes later, detached, with a confusing
+    hub error. A hub id ("org/name") is not checked here. Relative paths resolve like the stage's,
+    whose working directory is the run directory."""
+    model = (spec.get("stage_spec") or {}).get("model") or {}
+    path = model.get("path")
+    if not path or model.get("gguf_package") or not str(path).startswith(("/", "~", ".")):
+        return
+    full = os.path.join(rdir, os.path.expanduser(path))
+    if not os.path.exists(full):
+        raise Refused("model.path %s: no such directory on this host; fix 'model.path' in the inventory" % path)
+
+
 def launch(spec):
     rdir = run_dir(spec)
     st = read_status(rdir)
@@ -199,6 +213,7 @@ def launch(spec):
             return {"launched": False, "reason": "already succeeded", "status": st}
         if st["state"] in ACTIVE:
             return {"launched": False, "reason": "already %s" % st["state"], "status": st}
+    check_model_path(spec, rdir)  # before anything is written on the host
     # inputs: {stage: run id} -> that run's artifacts directory, which must exist
     inputs = {}
     for stage, rid in (spec.get("inputs") or {}).items():
