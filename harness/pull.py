@@ -25,13 +25,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import paramiko
 
 from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.runs import FINAL, _runctl, check_run_id, local_runs_dir
 
 CHUNK = 4 << 20
+METHODS = ("auto", "rsync", "sftp", "local")
 
 
 @dataclass
@@ -86,6 +89,26 @@ class _Bar:
             self.p.__exit__(None, None, None)
 
 
+def check_method(conn: HostConnection, method: str) -> None:
+    """Refuse a pull method that cannot work here, before anything is fetched or shown."""
+    usable = ("auto", "local") if conn.host.is_local else ("auto", "rsync", "sftp")
+    if method not in usable:
+        why = f"host {conn.name} has transport {conn.host.transport}" if method in METHODS else "unknown method"
+        raise HarnessError(f"pull --method {method!r}: {why}; use {', '.join(usable[:-1])} or {usable[-1]}")
+    if method == "rsync" and not shutil.which("rsync"):
+        raise HarnessError("pull --method rsync: rsync is not installed on this machine; install it "
+                           "(apt install rsync) or use --method sftp")
+
+
+def check_names(conn: HostConnection, run_id: str, names) -> None:
+    """Every artifact name must stay inside the artifacts dir: the names come from the host's
+    SHA256SUMS, and each is written under ``dest`` here (``../../.bashrc`` must not be)."""
+    for rel in names:
+        if rel.startswith("/") or ".." in PurePosixPath(rel).parts:
+            raise HarnessError(f"host {conn.name}: run {run_id}: artifact name {rel!r} escapes the artifacts dir; "
+                               "refusing to pull")
+
+
 def _select(files: dict, result: dict | None, include_all: bool, include: tuple[str, ...]) -> tuple[list, list]:
     intermediates = list((result or {}).get("intermediates") or [])
     take, leave = [], []
@@ -104,6 +127,7 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
     ``method``: ``auto`` (rsync when the host and this machine have it, else SFTP), ``rsync``, ``sftp``.
     Raises ``HarnessError`` naming the file when a checksum does not match."""
     check_run_id(run_id)
+    check_method(conn, method)
     t0 = time.monotonic()
     man = _runctl(conn, "manifest", run_id=run_id)
     st = man["status"]
@@ -112,10 +136,14 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
     if man["sums"] is None:
         raise HarnessError(f"host {conn.name}: run {run_id} has no artifacts/SHA256SUMS (state {st.get('state')}); "
                            "nothing verified to pull")
+    files = man["files"]
+    check_names(conn, run_id, files)
+    if method == "rsync" and not man.get("has_rsync"):
+        raise HarnessError(f"host {conn.name}: pull --method rsync: the host has no rsync; install it there "
+                           "or use --method sftp")
     dest = Path(dest) if dest else local_runs_dir() / run_id
     staging = dest / ".partial"
     staging.mkdir(parents=True, exist_ok=True)
-    files = man["files"]
     take, leave = _select(files, man.get("result"), include_all, include)
     missing = [r for r in take if files[r]["size"] is None]
     if missing:
@@ -133,9 +161,7 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
                      bytes=sum(files[r]["size"] for r in take), result=man.get("result"))
     try:
         if todo:
-            fetch = {"rsync": _rsync, "sftp": _sftp, "local": _local}.get(method)
-            if fetch is None:
-                raise HarnessError(f"unknown pull method {method!r}: use auto, rsync or sftp")
+            fetch = {"rsync": _rsync, "sftp": _sftp, "local": _local}[method]
             digests: dict = {}
             res.transferred = fetch(conn, man["artifacts"], todo, files, staging, bar, bwlimit_kbps, digests)
         bad = _verify_and_place(todo, files, staging, dest, digests if todo else None)
@@ -329,35 +355,60 @@ def _resume_hasher(local: Path, size: int):
     return h, offset
 
 
+def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Bar, done: int,
+                   digests: dict) -> tuple[int, int]:
+    """Copy one file into ``staging`` from where its partial ends, hashing as it goes (the hash
+    continues over the partial already there). ``open_src(offset)`` gives a readable positioned at
+    ``offset``. Returns (bytes done overall, bytes moved now)."""
+    local = staging / rel
+    local.parent.mkdir(parents=True, exist_ok=True)
+    h, offset = _resume_hasher(local, size)
+    done += offset
+    moved = 0
+    with open_src(offset) as rf, open(local, "ab") as lf:
+        while offset < size:
+            data = rf.read(min(CHUNK, size - offset))
+            if not data:
+                break
+            lf.write(data)
+            h.update(data)
+            offset += len(data)
+            done += len(data)
+            moved += len(data)
+            bar.set(done)
+    digests[rel] = (h.hexdigest(), offset)
+    return done, moved
+
+
 def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, digests: dict) -> int:
-    """SFTP with prefetch (many read requests in flight), resuming from the partial file's size."""
-    sftp = conn.client.open_sftp()
+    """SFTP with prefetch (many read requests in flight), resuming from the partial file's size. A
+    link that drops mid-file is reported as such: the partial stays, and the next pull resumes it."""
     done = moved = 0
+    sftp = None
+
+    def opener(rel: str, size: int):
+        def open_src(offset: int):
+            rf = sftp.open(f"{remote_dir.rstrip('/')}/{rel}", "rb")
+            rf.seek(offset)
+            rf.prefetch(size)
+            return rf
+        return open_src
+
     try:
+        sftp = conn.client.open_sftp()
         for rel in todo:
             size = files[rel]["size"]
-            local = staging / rel
-            local.parent.mkdir(parents=True, exist_ok=True)
-            h, offset = _resume_hasher(local, size)
-            done += offset
-            with sftp.open(f"{remote_dir.rstrip('/')}/{rel}", "rb") as rf, open(local, "ab") as lf:
-                rf.seek(offset)
-                rf.prefetch(size)
-                while offset < size:
-                    data = rf.read(min(CHUNK, size - offset))
-                    if not data:
-                        break
-                    lf.write(data)
-                    h.update(data)
-                    offset += len(data)
-                    done += len(data)
-                    moved += len(data)
-                    bar.set(done)
-            digests[rel] = (h.hexdigest(), offset)
-    except OSError as e:
-        raise HarnessError(f"host {conn.name}: SFTP pull failed ({e}); run the pull again to resume")
+            done, n = _copy_resuming(rel, size, staging, opener(rel, size), bar, done, digests)
+            moved += n
+    except (OSError, EOFError, paramiko.SSHException) as e:
+        raise HarnessError(f"host {conn.name}: SFTP pull failed ({str(e) or type(e).__name__}); "
+                           "run the pull again to resume") from None
     finally:
-        sftp.close()
+        if sftp is not None:
+            try:
+                sftp.close()
+            except (OSError, EOFError, paramiko.SSHException):
+                pass
     return moved
 
 
@@ -365,19 +416,10 @@ def _local(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, dig
     """transport local: a plain copy that resumes from the partial's size, like the others."""
     done = moved = 0
     for rel in todo:
-        src = Path(remote_dir) / rel
-        local = staging / rel
-        local.parent.mkdir(parents=True, exist_ok=True)
-        h, offset = _resume_hasher(local, files[rel]["size"])
-        done += offset
-        with open(src, "rb") as rf, open(local, "ab") as lf:
-            rf.seek(offset)
-            while chunk := rf.read(CHUNK):
-                lf.write(chunk)
-                h.update(chunk)
-                offset += len(chunk)
-                done += len(chunk)
-                moved += len(chunk)
-                bar.set(done)
-        digests[rel] = (h.hexdigest(), offset)
+        def open_src(offset: int, src=Path(remote_dir) / rel):
+            f = open(src, "rb")
+            f.seek(offset)
+            return f
+        done, n = _copy_resuming(rel, files[rel]["size"], staging, open_src, bar, done, digests)
+        moved += n
     return moved

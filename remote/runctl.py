@@ -392,6 +392,12 @@ def stop(spec):
 # ---------------------------------------------------------------------------------------------------
 # what a pull needs; the env the last run used
 
+def escapes(name):
+    """True for an artifact name that would leave the artifacts dir (absolute, or with a '..' part):
+    SHA256SUMS is read from the host, and a pull writes each name under the workstation's dest."""
+    return name.startswith("/") or ".." in name.split("/")
+
+
 def manifest(spec):
     rdir = run_dir(spec)
     st = status(spec)
@@ -405,6 +411,9 @@ def manifest(spec):
         for line in sums.splitlines():
             m = re.match(r"^\\?([0-9a-f]{64}) [ *](.+)$", line)
             if m:
+                if escapes(m.group(2)):
+                    raise Refused("run %s: artifact name %r escapes the artifacts dir; refusing to pull"
+                                  % (spec["run_id"], m.group(2)))
                 p = os.path.join(art, m.group(2))
                 files[m.group(2)] = {"sha256": m.group(1), "size": os.path.getsize(p) if os.path.exists(p) else None}
     return {"run_dir": rdir, "artifacts": art, "status": st, "sums": sums, "files": files,
