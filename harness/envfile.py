@@ -341,12 +341,15 @@ def host_facts(conn, envfile: EnvFile | None = None) -> dict:
                            f"{(res.stderr.strip().splitlines() or ['no output'])[-1]}")
 
 
-def diff_env(old_text: str | None, new: EnvFile, old_label: str, new_label: str) -> str:
+def diff_env(old_text: str | None, new: EnvFile, old_label: str, new_label: str,
+             old_secrets: Iterable[str] = ()) -> str:
     """A unified diff between the env file the host's last run used and the one rendered now, both
-    masked. A secret whose value changed shows as ``****`` -> ``**** (changed)``."""
+    masked. A secret whose value changed shows as ``****`` -> ``**** (changed)``. ``old_secrets``: the
+    secret names that run was started with, so one removed from ``secrets:`` since stays masked."""
     old_text = old_text or ""
     old_vals = parse_env_text(old_text)
-    names = set(new.secrets) | {n for n in old_vals if n in new.secrets or n in new.missing_secrets}
+    was_secret = set(old_secrets) | set(new.secrets) | set(new.missing_secrets)
+    names = set(new.secrets) | {n for n in old_vals if n in was_secret}
     old_masked = mask_env_text(old_text, {n: old_vals.get(n, "") for n in names})
     new_text = new.masked()
     for n in new.secrets:

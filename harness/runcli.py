@@ -49,21 +49,22 @@ def env_render(inv: Inventory, hosts: list[HostSpec], diff: bool, out: Console, 
         e = envfile.render_env(h, inv, require_secrets=False)
         for name in e.missing_secrets:
             err.print(f"[yellow]warning:[/] host {h.name}: secret {name} is not set in this shell; "
-                      "a run would refuse to start", highlight=False)
+                      "a run would refuse to start", highlight=False, soft_wrap=True)
         if diff:
             def last(conn):
                 return runs.last_env(conn)
             got = _with_conn(inv, last)(h)
             label = f"{h.name}: last run {got['run_id']}" if got["run_id"] else f"{h.name}: (no run yet)"
-            text = envfile.diff_env(got["text"], e, label, f"{h.name}: rendered now")
+            text = envfile.diff_env(got["text"], e, label, f"{h.name}: rendered now",
+                                    old_secrets=got.get("secrets") or ())
             results[h.name] = {"diff": text, "last_run": got["run_id"]}
             out.print(escape(text) if text else f"{h.name}: no difference from the last run ({got['run_id']})",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
         else:
             results[h.name] = {"profile": e.profile, "template": e.template, "text": e.masked(),
                                "values": {k: (envfile.MASK if k in e.secrets else v) for k, v in e.values.items()}}
             out.rule(f"{h.name}  ({e.template})")
-            out.print(escape(e.masked()), highlight=False)
+            out.print(escape(e.masked()), highlight=False, soft_wrap=True)
     return results
 
 

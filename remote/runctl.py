@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -428,9 +429,23 @@ def last_env(spec):
         if os.path.exists(p) and (best is None or os.path.getmtime(p) > best[0]):
             best = (os.path.getmtime(p), rid, p)
     if best is None:
-        return {"run_id": None, "text": None}
+        return {"run_id": None, "text": None, "secrets": []}
     with open(best[2]) as f:
-        return {"run_id": best[1], "text": f.read()}
+        text = f.read()
+    return {"run_id": best[1], "text": text, "secrets": secret_names(os.path.dirname(best[2]))}
+
+
+def secret_names(rdir):
+    """The secret NAMES a run was started with (its wrapper's SECRET_NAMES), so a secret since
+    removed from the inventory's ``secrets:`` is still masked when that run's env is shown."""
+    try:
+        with open(os.path.join(rdir, "wrapper.sh")) as f:
+            for line in f:
+                if line.startswith("SECRET_NAMES=(") and line.rstrip().endswith(")"):
+                    return shlex.split(line.rstrip()[len("SECRET_NAMES=("):-1])
+    except (OSError, ValueError):
+        pass
+    return []
 
 
 ACTIONS = {"launch": launch, "status": status, "list": list_runs, "logs": logs, "follow": follow,
