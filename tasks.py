@@ -144,13 +144,12 @@ def patch_rollback(c, inventory=None, hosts=None, json=False, force=False, reins
 
 
 # --- env, stage, runs, pull: environment files and detached stage runs (harness/runcli.py) ---------------
-import os  # noqa: E402
-
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from harness import runcli as _runcli  # noqa: E402
 from harness.cli import stderr  # noqa: E402
+from harness.parallel import HostFailure as _HostFailure  # noqa: E402
 from harness.runs import stages as _stage_names  # noqa: E402
 
 
@@ -159,7 +158,7 @@ from harness.runs import stages as _stage_names  # noqa: E402
 def env_render(c, inventory=None, hosts=None, json=False, diff=False):
     """Print each host's rendered env file (profile + inventory env + secrets, secrets masked)."""
     inv, selected = load(inventory, hosts)
-    res = _runcli.env_render(inv, selected, diff, stdout if not json else Console(file=open(os.devnull, "w")), stderr)
+    res = _runcli.env_render(inv, selected, diff, stdout if not json else Console(quiet=True), stderr)
     if json:
         emit_json(res)
 
@@ -174,7 +173,7 @@ def env_lint(c, inventory=None, hosts=None, json=False, offline=False):
         emit_json(res)
     else:
         for line in problems:
-            stderr.print(f"[red]error:[/] {escape(line)}")
+            stderr.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
         if not problems:
             stdout.print(f"env.lint: {len(selected)} host(s), no problems")
     if problems:
@@ -189,6 +188,7 @@ def _stage_task(name):
                                 pull=pull, dest=dest, err=stderr)
         if json:
             emit_json(_runcli.as_jsonable(res))
+        _runcli.exit_if_failed(res)
     body.__name__ = body.__qualname__ = f"stage_{name}"
     body.__doc__ = f"Run stage '{name}' (remote/stages/{name}.py) detached on the host, following its progress."
     return task(name=name, help=COMMON_HELP | {
@@ -207,6 +207,7 @@ def runs_list(c, inventory=None, hosts=None, json=False):
     inv, selected = load(inventory, hosts)
     res = _runcli.runs_list(inv, selected)
     emit_json(_runcli.as_jsonable(res)) if json else _runcli.render_list(res, stdout)
+    _runcli.exit_if_failed(res)
 
 
 @task(name="status", help=COMMON_HELP | {"run": "the run id"})
@@ -216,6 +217,7 @@ def runs_status(c, run, inventory=None, hosts=None, json=False):
     inv, selected = load(inventory, hosts)
     res = _runcli.runs_status(inv, selected, run)
     emit_json(_runcli.as_jsonable(res)) if json else _runcli.render_status(res, stdout)
+    _runcli.exit_if_failed(res)
 
 
 @task(name="logs", help=COMMON_HELP | {"run": "the run id",
@@ -225,9 +227,11 @@ def runs_logs(c, run, inventory=None, hosts=None, json=False, follow=False):
     """Print a run's log (secrets masked); --follow streams it live with progress."""
     inv, selected = load(inventory, hosts)
     if json:
-        emit_json(_runcli.runs_log_texts(inv, selected, run))
+        res = _runcli.runs_log_texts(inv, selected, run)
+        emit_json(_runcli.as_jsonable(res))
     else:
-        _runcli.runs_logs(inv, selected, run, follow, stdout, stderr)
+        res = _runcli.runs_logs(inv, selected, run, follow, stdout, stderr)
+    _runcli.exit_if_failed(res)
 
 
 @task(name="stop", help=COMMON_HELP | {"run": "the run id", "grace": "seconds between TERM and KILL (default 10)"})
@@ -240,9 +244,13 @@ def runs_stop(c, run, inventory=None, hosts=None, json=False, grace=10.0):
         emit_json(_runcli.as_jsonable(res))
     else:
         for host, r in res.items():
-            st = r.get("status", {}) if isinstance(r, dict) else {}
-            stdout.print(f"{host}: run {run} {st.get('state', '?')}" + (" (killed after grace)" if r.get("killed") else "")
-                         if isinstance(r, dict) else f"{host}: {r.message}")
+            if isinstance(r, _HostFailure):
+                stdout.print(f"{host}: [red]{escape(r.message)}[/]", soft_wrap=True)
+                continue
+            st = r.get("status", {})
+            stdout.print(f"{host}: run {run} {st.get('state', '?')}" + (" (killed after grace)" if r.get("killed") else ""),
+                         soft_wrap=True)
+    _runcli.exit_if_failed(res)
 
 
 @task(help=COMMON_HELP | {"run": "the run id", "dest": "destination directory (default runs/<run-id>)",
@@ -258,9 +266,14 @@ def pull(c, run, inventory=None, hosts=None, json=False, dest=None, all=False, i
         emit_json(_runcli.as_jsonable(res))
     else:
         for host, r in res.items():
-            stdout.print(f"{host}: {len(r['files'])} file(s), {r['bytes'] / 1e6:.1f} MB verified in {r['dest']}"
+            if isinstance(r, _HostFailure):
+                stdout.print(f"{host}: [red]{escape(r.message)}[/]", soft_wrap=True)
+                continue
+            stdout.print(f"{host}: {len(r['files'])} file(s), {r['bytes'] / 1e6:.1f} MB verified in {escape(r['dest'])}"
                          f" ({r['rate_mb_s']} MB/s via {r['method']})"
-                         + (f"; left on host: {len(r['left_on_host'])} intermediate(s)" if r["left_on_host"] else ""))
+                         + (f"; left on host: {len(r['left_on_host'])} intermediate(s)" if r["left_on_host"] else ""),
+                         soft_wrap=True)
+    _runcli.exit_if_failed(res)
 
 
 ns = Collection()

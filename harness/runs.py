@@ -323,7 +323,7 @@ class ProgressView:
         elif self.show and self.console is not None:
             from rich.markup import escape
             style = "dim" if line.startswith("@@harness") else ""
-            self.console.print(f"[{style}]{escape(line)}[/]" if style else escape(line))
+            self.console.print(f"[{style}]{escape(line)}[/]" if style else escape(line), soft_wrap=True)
 
 
 def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] | None = None,
@@ -366,7 +366,7 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
         (console or Console(stderr=True)).print(
             f"detached from run {run_id} on {conn.name}; it goes on on the host. Reattach with: "
             f"inv runs.logs {run_id} --follow --hosts {conn.name}   (stop it with: inv runs.stop {run_id})",
-            highlight=False)
+            highlight=False, soft_wrap=True)
         raise
     return final
 
