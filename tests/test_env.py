@@ -149,3 +149,31 @@ def test_env_render_cli_masks_and_diffs_against_last_run(sshd, tmp_path):
     r = run_inv("env.render", "--json", "--inventory", str(inv_path), env={"HF_TOKEN": SECRET})
     data = json.loads(r.stdout)
     assert data["h"]["values"]["HF_TOKEN"] == "****" and SECRET not in r.stdout
+
+
+def test_env_diff_masks_a_secret_removed_from_the_inventory_since_the_last_run(sshd, tmp_path):
+    entry = sshd.entry(workdir=str(tmp_path / "wd"), profile="cpu")
+    inv_path = write_inventory(tmp_path, {"h": entry}, secrets=["HF_TOKEN", "WANDB_API_KEY"])
+    old_wandb = "wandb_OldSecret_42424242"
+    inv = load_inventory(inv_path)
+    with open_host(inv.hosts["h"], inv) as conn:
+        runs.launch(conn, inv, "teststage", run_id="s1", gpu=False, code_root=code_root(tmp_path),
+                    environ={"HF_TOKEN": SECRET, "WANDB_API_KEY": old_wandb})
+        runs.follow(conn, "s1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+        assert sorted(runs.last_env(conn)["secrets"]) == ["HF_TOKEN", "WANDB_API_KEY"]
+    write_inventory(tmp_path, {"h": entry}, secrets=["HF_TOKEN"])  # WANDB_API_KEY is no secret any more
+    r = run_inv("env.render", "--diff", "--inventory", str(inv_path), env={"HF_TOKEN": SECRET})
+    assert r.returncode == 0, r.stderr
+    assert "-WANDB_API_KEY=****" in r.stdout and "last run s1" in r.stdout
+    assert old_wandb not in r.stdout + r.stderr and SECRET not in r.stdout + r.stderr
+    r = run_inv("env.render", "--diff", "--json", "--inventory", str(inv_path), env={"HF_TOKEN": SECRET})
+    assert "-WANDB_API_KEY=****" in json.loads(r.stdout)["h"]["diff"] and old_wandb not in r.stdout
+
+
+def test_env_render_json_leaves_no_file_open(tmp_path):
+    """--json prints only JSON; the human output goes nowhere without an unclosed file behind it."""
+    inv_path = write_inventory(tmp_path, {"h": {"transport": "local", "profile": "cpu"}})
+    r = run_inv("env.render", "--json", "--inventory", str(inv_path), env={"PYTHONWARNINGS": "always::ResourceWarning"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["h"]["profile"] == "cpu"
+    assert "ResourceWarning" not in r.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_inv, write_inventory
-from runs_support import code_root, wait_for
+from conftest import REPO, free_port, run_inv, write_inventory
+from runs_support import code_root, drop_connections, wait_for
 from harness import runs
 from harness.connection import open_host
 from harness.errors import HarnessError
 from harness.inventory import load_inventory
-from harness.pull import pull
+from harness.pull import check_names, pull
 
 FILES = {"vocab/d2t.npy": 5000, "checkpoint/model.safetensors": 300_000, "data_0.pt": 40_000, "data_1.pt": 40_000}
 
@@ -124,3 +125,106 @@ def test_pull_refuses_running_run(sshd, tmp_path):
         with pytest.raises(HarnessError, match="run busy is running; pull it once it has finished"):
             pull(conn, "busy", tmp_path / "d", progress=False)
         runs.stop(conn, "busy", grace=2)
+
+
+def test_artifact_name_escaping_the_artifacts_dir_is_refused(finished, tmp_path):
+    """A SHA256SUMS on the host naming ``../../.bashrc`` (or an absolute path) must not make the pull
+    write outside dest on the workstation."""
+    inv, conn, art = finished
+    sums = art / "SHA256SUMS"
+    good = sums.read_text()
+    dest = tmp_path / "a" / "b" / "dest"
+    for name in ("../../.bashrc", "/tmp/harness-escape-test"):
+        sums.write_text(good + f"{'0' * 64}  {name}\n")
+        with pytest.raises(HarnessError, match=re.escape(
+                f"host gpu1: run p1: artifact name '{name}' escapes the artifacts dir; refusing to pull")):
+            pull(conn, "p1", dest, progress=False)
+        assert not dest.exists() and not (tmp_path / "a" / ".bashrc").exists()
+        r = run_inv("pull", "p1", "--dest", str(dest), "--inventory", inv.source)
+        assert r.returncode == 1 and "escapes the artifacts dir" in r.stderr and "Traceback" not in r.stderr
+        assert not dest.exists()
+    # the workstation checks the names too, whatever the host's runctl let through
+    with pytest.raises(HarnessError, match=r"artifact name 'vocab/\.\./\.\./x' escapes"):
+        check_names(conn, "p1", ["vocab/d2t.npy", "vocab/../../x"])
+    check_names(conn, "p1", ["vocab/d2t.npy", "a..b/c"])  # '..' inside a name is fine
+
+
+def test_pull_method_checked_before_anything_happens(finished, tmp_path):
+    inv, conn, art = finished
+    dest = tmp_path / "dest"
+    with pytest.raises(HarnessError, match=r"pull --method 'ftp': unknown method; use auto, rsync or sftp"):
+        pull(conn, "p1", dest, method="ftp", progress=False)
+    with pytest.raises(HarnessError, match=r"pull --method 'local': host gpu1 has transport ssh; use auto, rsync or sftp"):
+        pull(conn, "p1", dest, method="local", progress=False)
+    assert not dest.exists()
+    # rsync asked for on a workstation without rsync: one line, before any transfer or progress bar
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    r = run_inv("pull", "p1", "--method", "rsync", "--dest", str(dest), "--inventory", inv.source,
+                env={"PATH": str(empty)})
+    assert r.returncode == 1, r.stderr
+    assert "pull --method rsync: rsync is not installed on this machine" in r.stderr
+    assert "Traceback" not in r.stderr and not dest.exists()
+
+
+def test_pull_with_one_host_unreachable_reports_both(finished, sshd, tmp_path):
+    """One host pulled, one unreachable: the good host's line, the dead one's message, exit 1."""
+    inv, conn, art = finished
+    entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")),
+               "dead": sshd.entry(workdir=str(tmp_path / "wd"), port=free_port())}
+    path = write_inventory(tmp_path / "two.yaml", entries)
+    r = run_inv("pull", "p1", "--dest", str(tmp_path / "out"), "--inventory", str(path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "TypeError" not in r.stderr
+    assert "gpu1: 2 file(s)" in r.stdout
+    assert any(l.startswith("dead: ") and "host dead" in l for l in r.stdout.splitlines())
+    assert "error: host dead" in r.stderr
+    assert digest(tmp_path / "out" / "gpu1" / "vocab" / "d2t.npy") == digest(art / "vocab" / "d2t.npy")
+
+
+SFTP_DROP_SCRIPT = """
+import sys
+sys.path[:0] = [{repo!r}]
+import harness.pull as P
+P.CHUNK = 1 << 14
+from harness.errors import HarnessError
+from harness.inventory import load_inventory
+from harness.connection import open_host
+inv = load_inventory({inv!r})
+conn = open_host(inv.hosts["gpu1"], inv)
+try:
+    P.pull(conn, "big", {dest!r}, method="sftp", progress=False)
+except HarnessError as e:
+    print("HarnessError:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_sftp_link_dropped_mid_pull_says_rerun_and_resumes(sshd, tmp_path):
+    inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry(workdir=str(tmp_path / "wd"))}))
+    size = 24 << 20
+    with open_host(inv.hosts["gpu1"], inv) as conn:
+        runs.launch(conn, inv, "teststage", run_id="big", extra={"files": {"hidden.bin": size}, "random": True},
+                    code_root=code_root(tmp_path), environ={})
+        assert runs.follow(conn, "big", progress=False, base=tmp_path / "runs", on_line=lambda l: None)["state"] == "succeeded"
+    dest = tmp_path / "dest"
+    partial = dest / ".partial" / "hidden.bin"
+    script = SFTP_DROP_SCRIPT.format(repo=str(REPO), inv=inv.source, dest=str(dest))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: partial.exists() and partial.stat().st_size > (2 << 20), timeout=60, step=0.02)
+        assert drop_connections(sshd) >= 1  # the link drops mid-file
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 3, out + err
+    assert "Traceback" not in err
+    assert "SFTP pull failed" in out and "run the pull again to resume" in out
+    got = partial.stat().st_size
+    assert 0 < got < size and not (dest / "hidden.bin").exists()
+    with open_host(inv.hosts["gpu1"], inv) as conn:
+        res = pull(conn, "big", dest, method="sftp", progress=False)
+    assert res.transferred <= size - got + (1 << 20)
+    assert digest(dest / "hidden.bin") == digest(tmp_path / "wd" / "runs" / "big" / "artifacts" / "hidden.bin")

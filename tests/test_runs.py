@@ -3,18 +3,19 @@ its SSH connection, log reattach at the right offset, runs.stop, secret masking 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_inv, write_inventory
+from conftest import free_port, run_inv, write_inventory
 from runs_support import code_root, drop_connections, pid_alive, wait_for
 from harness import runs
 from harness.connection import open_host
 from harness.errors import HarnessError
-from harness.inventory import load_inventory
+from harness.inventory import ModelSpec, load_inventory
 
 
 @pytest.fixture
@@ -210,3 +211,79 @@ def test_every_stage_module_is_a_task():
     assert "stage.common" not in r.stdout  # helpers without main() are not stages
     for t in ("runs.list", "runs.status", "runs.logs", "runs.stop", "pull", "env.render", "env.lint"):
         assert t in r.stdout
+
+
+def test_unknown_run_names_the_command_that_lists_runs(host, tmp_path):
+    inv, connect, code = host
+    with pytest.raises(HarnessError, match=r"^host gpu1: no run nope on this host \(under .*\); "
+                                           r"list the runs with: inv runs.list --hosts gpu1$"):
+        runs.status(connect(), "nope")
+    assert runs.status(connect(), "nope", missing_ok=True)["state"] == "absent"
+
+
+def test_path_like_model_path_missing_on_host_is_refused_before_launch(host, tmp_path):
+    inv, connect, code = host
+    for path in ("/nonexistent/model", "~/nonexistent-model-dir", "./nonexistent"):
+        bad = inv.model_copy(update={"model": ModelSpec(path=path)})
+        with pytest.raises(HarnessError, match=re.escape(
+                f"host gpu1: model.path {path}: no such directory on this host; fix 'model.path' in the inventory")):
+            runs.launch(connect(), bad, "teststage", run_id="m1", code_root=code, environ=ENV)
+        assert not (tmp_path / "wd").exists()  # nothing written on the host: no run dir, no code
+    # a directory that is there, and a hub id, are launched
+    for path, rid in ((str(tmp_path), "m2"), ("HuggingFaceTB/SmolLM2-135M-Instruct", "m3")):
+        ok = inv.model_copy(update={"model": ModelSpec(path=path)})
+        assert runs.launch(connect(), ok, "teststage", run_id=rid, code_root=code, environ=ENV).launched
+
+
+def _dead(sshd, tmp_path, name):
+    """An inventory entry for a host that is down (nothing listens on its port)."""
+    return sshd.entry(workdir=str(tmp_path / f"wd-{name}"), port=free_port())
+
+
+def test_every_failing_host_is_shown_and_fails_the_task(host, sshd, tmp_path):
+    inv, connect, code = host
+    runs.launch(connect(), inv, "teststage", run_id="l1", code_root=code, environ=ENV)
+    runs.follow(connect(), "l1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")), "dead1": _dead(sshd, tmp_path, "dead1"),
+               "dead2": _dead(sshd, tmp_path, "dead2")}
+    two = str(write_inventory(tmp_path / "mixed.yaml", entries, secrets=["HF_TOKEN"]))
+
+    # one host up, one down: the good host is listed, the dead one shown, and the task fails
+    r = run_inv("runs.list", "--hosts", "gpu1,dead1", "--inventory", two)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "l1" in r.stdout and "succeeded" in r.stdout
+    assert "error: host dead1" in r.stderr and "Traceback" not in r.stderr
+    r = run_inv("runs.list", "--json", "--hosts", "gpu1,dead1", "--inventory", two)
+    assert r.returncode == 1
+    data = json.loads(r.stdout)
+    assert [x["run_id"] for x in data["gpu1"]] == ["l1"] and data["dead1"]["error"] == "unreachable"
+    msg = data["dead1"]["message"]
+    assert len(msg) > 80
+    # the message stays on one line even though stdout is not a terminal (no wrap at 80 columns)
+    r = run_inv("runs.status", "l1", "--hosts", "gpu1,dead1", "--inventory", two)
+    assert r.returncode == 1
+    assert "gpu1 run l1 (stage teststage, attempt 1): succeeded" in r.stdout
+    assert f"dead1: {msg}" in r.stdout.splitlines()
+
+    # every host down: every host's message, not only the first
+    r = run_inv("runs.status", "l1", "--hosts", "dead1,dead2", "--inventory", two)
+    assert r.returncode == 1
+    assert "error: host dead1" in r.stderr and "error: host dead2" in r.stderr
+    r = run_inv("runs.logs", "l1", "--hosts", "gpu1,dead2", "--inventory", two, env=ENV)
+    assert r.returncode == 1 and "line 3 of 3" in r.stdout and "error: host dead2" in r.stderr
+    r = run_inv("runs.stop", "l1", "--hosts", "gpu1,dead1", "--inventory", two)
+    assert r.returncode == 1 and "gpu1: run l1 succeeded" in r.stdout and "dead1: host dead1" in r.stdout
+
+
+def test_stage_task_prints_each_failing_host(host, sshd, tmp_path):
+    """inv stage.X on two hosts where both fail differently: each host's own line, exit 1."""
+    entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")), "dead1": _dead(sshd, tmp_path, "dead1")}
+    path = str(write_inventory(tmp_path / "mixed.yaml", entries, model={"path": "/nonexistent/model"}))
+    stage = runs.stages()[0]
+    r = run_inv(f"stage.{stage}", "--no-follow", "--inventory", path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert any(l.startswith("[gpu1] ") and "model.path /nonexistent/model: no such directory on this host" in l
+               for l in lines), r.stderr
+    assert any(l.startswith("[dead1] ") and "host dead1" in l for l in lines), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "wd" / "runs").exists()
