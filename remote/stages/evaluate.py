@@ -95,7 +95,8 @@ def evaluate_vllm(spec, model_path, checkpoint, prompts, k) -> dict:
     llm = LLM(model=model_path, trust_remote_code=bool(spec["model"].get("trust_remote_code")),
               tensor_parallel_size=int(pipeline.get("tensor_parallel") or 1),
               max_model_len=int(pipeline.get("max_seq_len") or 512) + int(pipeline.get("max_new_tokens") or 128),
-              speculative_config={"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k})
+              speculative_config={"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k},
+              disable_log_stats=False)  # get_metrics() needs the stat loggers (LLM turns them off)
     llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                  SamplingParams(temperature=0.0, max_tokens=int(pipeline.get("max_new_tokens") or 128)))
     counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
