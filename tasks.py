@@ -90,7 +90,8 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
     else:
         for n, r in results.items():
             if isinstance(r, list):
-                stdout.print(_pipeline.summary_table(n, r))
+                # not a terminal (CI, a log file): print the table whole rather than squeezed to 80 columns
+                stdout.print(_pipeline.summary_table(n, r), width=None if stdout.is_terminal else 220)
     bad = [r for r in results.values() if not isinstance(r, list)]
     if bad:
         raise Exit("\n".join(f"error: {f.message}" for f in bad), code=1)
