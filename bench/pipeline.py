@@ -59,7 +59,7 @@ def run_stage(stage: str, workdir: Path, model: dict, pipeline: dict, env: dict)
     return json.loads((run_dir / "result.json").read_text()), wall, cpu
 
 
-def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 96) -> tuple[float, float, float, int]:
+def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 48) -> tuple[float, float, float, int]:
     """(ratio, bare seconds, extract seconds, tokens) over the first ``samples`` samples: same model, same
     batches, alternated three times, best of each (the minimum is the least disturbed by other work)."""
     sys.path.insert(0, str(REMOTE))

@@ -167,9 +167,10 @@ def main(spec: dict) -> dict:
         for conv in train:
             f.write(json.dumps({"messages": conv}) + "\n")
     with open(out / "heldout.jsonl", "w") as f:
-        for conv in held:
-            first_user = next(i for i, t in enumerate(conv) if t["role"] == "user")
-            f.write(json.dumps({"messages": conv[:first_user + 1]}) + "\n")
+        for conv in held:  # the prompt: everything up to the first user turn
+            first_user = next((i for i, t in enumerate(conv) if t["role"] == "user"), None)
+            if first_user is not None:
+                f.write(json.dumps({"messages": conv[:first_user + 1]}) + "\n")
 
     tokens = sum(len(x) for x in dataset["input_ids"])
     trained = sum(int(m.sum()) for m in dataset["loss_mask"])
