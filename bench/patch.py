@@ -40,13 +40,10 @@ SERIES = REPO / "patches" / "speculators" / "0.3.0"
 
 
 def _wheel(name: str, version: str) -> Path:
-    d = CACHE / "wheels"
-    found = sorted(d.glob(f"{name}-{version}-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d),
-                        f"{name}=={version}"], check=True)
-        found = sorted(d.glob(f"{name}-{version}-*.whl"))
-    return found[0]
+    """The real PyPI wheel, downloaded once and cached (the harness's own fetcher)."""
+    from harness.patches import fetch_wheel
+
+    return fetch_wheel(name, version)
 
 
 def make_host_python(root: Path) -> tuple[Path, Path]:

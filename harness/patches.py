@@ -184,12 +184,15 @@ def fetch_wheel(package: str, version: str, wheel: str | None = None) -> Path:
         p = WHEEL_CACHE / wheel
         if p.is_file():
             return p
+    norm = package.replace("-", "_")
+    cached = sorted(WHEEL_CACHE.glob(f"{norm}-{version}-*.whl"))
+    if cached:
+        return cached[0]
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
     res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEEL_CACHE),
                           f"{package}=={version}"], capture_output=True, text=True)
     if res.returncode != 0:
         raise HarnessError(f"pip download {package}=={version} failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
-    norm = package.replace("-", "_")
     found = sorted(WHEEL_CACHE.glob(f"{norm}-{version}-*.whl"))
     if not found:
         raise HarnessError(f"pip download {package}=={version} left no wheel in {WHEEL_CACHE}")

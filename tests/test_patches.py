@@ -39,13 +39,10 @@ WRK = "speculators/data_generation/custom_worker.py"
 # real packages, cached per machine
 
 def wheel(name: str, version: str) -> Path:
-    d = CACHE / "wheels"
-    found = sorted(d.glob(f"{name}-{version}-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d),
-                        f"{name}=={version}"], check=True)
-        found = sorted(d.glob(f"{name}-{version}-*.whl"))
-    return found[0]
+    """The real PyPI wheel, downloaded once and cached (the harness's own fetcher)."""
+    from harness.patches import fetch_wheel
+
+    return fetch_wheel(name, version)
 
 
 def vllm_tree(version: str) -> Path:
