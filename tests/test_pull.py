@@ -88,14 +88,19 @@ pull(conn, "big", {dest!r}, method={method!r}, progress=False, bwlimit_kbps=4000
 """
 
 
-@pytest.mark.parametrize("method", ["rsync", "sftp"])
-def test_interrupted_pull_resumes_and_verifies(sshd, tmp_path, method):
+def big_run(sshd, tmp_path, size: int = 24 << 20):
+    """A finished run "big" on the host with one random ``size``-byte artifact, hidden.bin."""
     inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry(workdir=str(tmp_path / "wd"))}))
-    size = 24 << 20
     with open_host(inv.hosts["gpu1"], inv) as conn:
         runs.launch(conn, inv, "teststage", run_id="big", extra={"files": {"hidden.bin": size}, "random": True},
                     code_root=code_root(tmp_path), environ={})
         assert runs.follow(conn, "big", progress=False, base=tmp_path / "runs", on_line=lambda l: None)["state"] == "succeeded"
+    return inv, size
+
+
+@pytest.mark.parametrize("method", ["rsync", "sftp"])
+def test_interrupted_pull_resumes_and_verifies(sshd, tmp_path, method):
+    inv, size = big_run(sshd, tmp_path)
     dest = tmp_path / "dest"
     partial = dest / ".partial" / "hidden.bin"
     script = PULL_SCRIPT.format(repo=str(REPO), inv=inv.source, dest=str(dest), method=method)
@@ -201,12 +206,7 @@ except HarnessError as e:
 
 
 def test_sftp_link_dropped_mid_pull_says_rerun_and_resumes(sshd, tmp_path):
-    inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry(workdir=str(tmp_path / "wd"))}))
-    size = 24 << 20
-    with open_host(inv.hosts["gpu1"], inv) as conn:
-        runs.launch(conn, inv, "teststage", run_id="big", extra={"files": {"hidden.bin": size}, "random": True},
-                    code_root=code_root(tmp_path), environ={})
-        assert runs.follow(conn, "big", progress=False, base=tmp_path / "runs", on_line=lambda l: None)["state"] == "succeeded"
+    inv, size = big_run(sshd, tmp_path)
     dest = tmp_path / "dest"
     partial = dest / ".partial" / "hidden.bin"
     script = SFTP_DROP_SCRIPT.format(repo=str(REPO), inv=inv.source, dest=str(dest))
