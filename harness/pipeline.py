@@ -24,6 +24,7 @@ from rich.table import Table
 
 from harness import REMOTE_DIR
 from harness.connection import HostConnection
+from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
 from harness.inventory import Inventory
 
@@ -165,7 +166,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
         else:
             say(f"{stage}: running as {rid}")
             st = runs.follow(conn, rid, progress=progress, console=console,
-                             masker=runs.Masker(runs.secret_values(inv, None)))
+                             masker=Masker(secret_values(inv, None)))
             state = "ran"
             if st.get("state") != "succeeded":
                 raise HarnessError(f"host {conn.name}: stage {stage}: {runs.describe_failure(st)}; "
