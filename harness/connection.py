@@ -8,8 +8,9 @@ channel whose stdin is written in one ``sendall`` — a whole script reaches the
 ``HostConnection`` gives the same small API for both transports:
 
 * ``exec(cmd, stdin=None)`` — one shell command, one round trip, ``ExecResult(rc, stdout, stderr)``;
-* ``run_script(entry, spec, modules=())`` — ship ``remote/<entry>.py`` (plus helper modules) and a JSON
-  spec over stdin to the host's python, call ``main(spec)`` there, return its dict;
+* ``run_script(entry, spec, modules=())`` — ship ``remote/<entry>.py`` (plus helper modules and what
+  ``REMOTE_DEPS`` says they import) and a JSON spec over stdin to the host's python, call
+  ``main(spec)`` there, return its dict;
 * ``put(local, remote)``, ``ssh_argv()`` (for rsync ``-e``), ``close()``.
 """
 from __future__ import annotations
@@ -38,29 +39,65 @@ from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
 CONNECT_TIMEOUT = 10
 KEEPALIVE_SECONDS = 15
 
-# Reads {"modules": {name: source}, "entry": name, "spec": {...}} from stdin, installs the modules so
-# they can import each other, calls entry.main(spec) and prints its result as JSON on stdout.
-_BOOTSTRAP = r'''
-import json, sys, types, traceback
+#: remote/ modules that a shipped module imports: run_script ships them along (one place to say it)
+REMOTE_DEPS: dict[str, tuple[str, ...]] = {
+    "probe": ("distinfo",),
+    "patchtool": ("distinfo",),
+    "apicheck": ("distinfo",),
+}
+
+
+def with_deps(names: Iterable[str]) -> list[str]:
+    """``names`` plus every module they import from remote/ (transitively), each once, in order."""
+    out: list[str] = []
+
+    def add(n: str) -> None:
+        if n not in out:
+            out.append(n)
+            for dep in REMOTE_DEPS.get(n, ()):
+                add(dep)
+
+    for n in names:
+        add(n)
+    return out
+
+
+# Reads {"modules": {name: source}, "entry": name, "spec": {...}} from stdin, makes the modules
+# importable by name (a sys.meta_path finder ahead of the host's own), imports the entry, calls its
+# main(spec) and prints {"ok", "result" | "error"} as JSON on stdout. A module is compiled only when
+# something imports it: the audit ships the patch and API-check modules for every host, but a host
+# without vLLM never needs the API check (compiling ~60 KB of source costs ~20 ms of a host's CPU).
+_BOOTSTRAP = r"""
+import json, sys
 if sys.version_info < (3, 8):
     sys.stdout.write(json.dumps({"ok": False, "error": "python %d.%d is too old: the harness needs >= 3.8; "
                                  "point 'python' at a newer interpreter" % sys.version_info[:2]}))
     sys.exit(0)
+from importlib.machinery import ModuleSpec
 d = json.loads(sys.stdin.buffer.read())
-for name, src in d["modules"].items():
-    m = types.ModuleType(name); m.__file__ = "<remote/%s.py>" % name
-    sys.modules[name] = m
-for name, src in d["modules"].items():
-    exec(compile(src, "remote/%s.py" % name, "exec"), sys.modules[name].__dict__)
+class Shipped:
+    sources = d["modules"]
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return ModuleSpec(name, cls) if name in cls.sources else None
+    @staticmethod
+    def create_module(spec):
+        return None
+    @classmethod
+    def exec_module(cls, m):
+        m.__file__ = "<remote/%s.py>" % m.__name__
+        exec(compile(cls.sources[m.__name__], "remote/%s.py" % m.__name__, "exec"), m.__dict__)
+sys.meta_path.insert(0, Shipped)
 out = sys.stdout; sys.stdout = sys.stderr
 try:
-    r = {"ok": True, "result": sys.modules[d["entry"]].main(d["spec"])}
+    r = {"ok": True, "result": __import__(d["entry"]).main(d["spec"])}
 except SystemExit as e:
     r = {"ok": False, "error": str(e.code) if not isinstance(e.code, int) else "exit %d" % e.code}
 except BaseException as e:
+    import traceback
     r = {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()}
 out.write(json.dumps(r)); out.flush()
-'''
+"""
 
 
 @dataclass
@@ -410,9 +447,8 @@ class HostConnection:
                    remote_dir: Path | None = None) -> dict:
         """Run ``remote/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip."""
         root = remote_dir or REMOTE_DIR
-        names = [*modules, entry]
         payload = {
-            "modules": {n: (root / f"{n}.py").read_text() for n in dict.fromkeys(names)},
+            "modules": {n: (root / f"{n}.py").read_text() for n in with_deps([entry, *modules])},
             "entry": entry,
             "spec": spec,
         }

@@ -171,7 +171,10 @@ def load_remote(name: str):
     import importlib.util
 
     from harness import REMOTE_DIR
+    from harness.connection import REMOTE_DEPS
 
+    for dep in REMOTE_DEPS.get(name, ()):  # the helpers it imports by their plain name, as on a host
+        sys.modules.setdefault(dep, load_remote(dep))
     spec = importlib.util.spec_from_file_location(f"_remote_{name}", REMOTE_DIR / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -8,42 +8,32 @@ for every call to such a name (SchedulerConfig, Scheduler, Request, get_kv_cache
 and, when the patch series knows it, the patch that fixes it.
 
 Spec keys: ``vllm_path`` (a directory holding the ``vllm/`` package, e.g. an unpacked wheel; default:
-the host's installed vLLM, found via importlib.metadata / find_spec without importing it),
+the host's installed vLLM, found from its dist-info or find_spec without importing it),
 ``speculators_path`` (likewise for ``speculators/``), ``subdir`` (default data_generation),
 ``fixes`` ({speculators version: {api name: patch name}}).
 """
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
+
+import distinfo
+
+NO_VLLM = "vLLM is not installed on this host: nothing to check"
 
 
 def _dist_root(name: str) -> tuple[Path | None, str | None]:
     """Where a package's top-level directory lives (its parent) and its version, without importing it."""
-    try:
-        dist = metadata.distribution(name)
-        root = Path(str(dist.locate_file("")))
-        if (root / name).is_dir():
-            return root, dist.version
-    except metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec(name)  # top-level: locates the package, imports nothing
-    if spec is None or not spec.submodule_search_locations:
-        return None, None
-    return Path(list(spec.submodule_search_locations)[0]).parent, None
+    root, version = distinfo.package_root(name)
+    return (Path(root) if root is not None else None), version
 
 
 def _version_in(root: Path, name: str) -> str | None:
-    for d in sorted(root.glob(f"{name}-*.dist-info")):
-        for line in (d / "METADATA").read_text(errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    return None
+    dist = distinfo.find(name, [str(root)])
+    return dist.version if dist else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +268,7 @@ def check(spec: dict) -> dict:
     else:
         vroot, vver = _dist_root("vllm")
     if vroot is None or not (vroot / "vllm").is_dir():
-        return {"ok": True, "skipped": "vLLM is not installed on this host: nothing to check", "mismatches": []}
+        return {"ok": True, "skipped": NO_VLLM, "mismatches": []}  # probe.py answers the same without loading this
     if spec.get("speculators_path"):
         sroot = Path(os.path.expanduser(spec["speculators_path"]))
         sver = _version_in(sroot, "speculators")

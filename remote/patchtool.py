@@ -1,7 +1,7 @@
 """Patch the installed speculators on a host as one transaction: status, plan, apply, rollback.
 
-Runs ON the host (stdlib only), shipped by the harness with a JSON spec, or by hand:
-``python patchtool.py < spec.json``. Why here and not over SSH step by step: a dropped link must
+Runs ON the host (stdlib only), shipped by the harness with a JSON spec (and distinfo.py, which
+it imports), or by hand next to distinfo.py: ``python patchtool.py < spec.json``. Why here and not over SSH step by step: a dropped link must
 leave the host finished or untouched, so every mutation is one local transaction with a journal.
 
 State is a function of content hashes. Per file, the series gives a chain of sha256 values
@@ -22,13 +22,12 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
+
+import distinfo
 
 TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
 
@@ -65,7 +64,7 @@ class HunkFailed(Exception):
         self.file, self.number, self.header, self.reason = file, number, header, reason
 
 
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_HUNK = r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@"  # compiled on first use (re's cache): status never parses a diff
 
 
 def parse_diff(text: str) -> list[dict]:
@@ -81,7 +80,7 @@ def parse_diff(text: str) -> list[dict]:
             files.append({"path": path, "hunks": []})
             i += 2
             continue
-        m = _HUNK.match(line)
+        m = re.match(_HUNK, line)
         if m:
             if not files:
                 raise ValueError(f"line {i + 1}: hunk before any file header")
@@ -179,11 +178,8 @@ def version_matches(version: str | None, spec: str) -> bool:
 
 def dist_version_at(root: str, name: str) -> str | None:
     """Version of ``name`` from a ``*.dist-info`` under ``root`` (an unpacked wheel, a --target dir)."""
-    for d in sorted(Path(os.path.expanduser(root)).glob(f"{name}-*.dist-info")):
-        for line in (d / "METADATA").read_text(errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    return None
+    dist = distinfo.find(name, [os.path.expanduser(root)])
+    return dist.version if dist else None
 
 
 def host_facts(spec: dict) -> dict:
@@ -192,10 +188,8 @@ def host_facts(spec: dict) -> dict:
         if spec.get("vllm_path"):
             facts["vllm"] = dist_version_at(spec["vllm_path"], "vllm")
         else:
-            try:
-                facts["vllm"] = metadata.version("vllm")
-            except metadata.PackageNotFoundError:
-                facts["vllm"] = None
+            dist = distinfo.find("vllm")
+            facts["vllm"] = dist.version if dist else None
     return facts
 
 
@@ -222,14 +216,12 @@ class Target:
 
     def __init__(self, spec: dict):
         self.package = spec.get("package", "speculators")
-        try:
-            dist = metadata.distribution(self.package)
-        except metadata.PackageNotFoundError:
+        dist = distinfo.find(self.package)
+        if dist is None:
             raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it")
         self.version = dist.version
-        self.site = Path(str(dist.locate_file(""))).resolve()
-        self.record = {str(f).replace(os.sep, "/"): f.hash.value for f in (dist.files or [])
-                       if f.hash and f.hash.mode == "sha256"}
+        self.site = Path(dist.site).resolve()
+        self.record = dist.sha256_record()  # {path relative to site: sha256 as pip spells it}
         self.available = sorted((spec.get("series") or {}).keys(), key=_vtuple)
         self.series = (spec.get("series") or {}).get(self.version)
         self.env_id = f"{self.package}-{self.version}-{sha256_hex(str(self.site).encode())[:12]}"
@@ -383,6 +375,13 @@ def status(spec: dict) -> dict:
 # ------------------------------------------------------------------------------------------------
 # the transaction: lock, journal, atomic swap, recovery
 
+def _rmtree(path: Path) -> None:
+    """Remove a directory tree if it is there (shutil loaded here: the status path never needs it)."""
+    import shutil  # noqa: PLC0415
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(str(path), os.O_RDONLY)
@@ -484,19 +483,19 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
         for p in (envdir / "manifest.json",):
             if p.exists():
                 p.unlink()
-        shutil.rmtree(envdir / "backup", ignore_errors=True)
+        _rmtree(envdir / "backup")
     else:
         write_atomic(envdir / "manifest.json", json.dumps(manifest, indent=2).encode())
     (envdir / "journal.json").unlink()
     _fsync_dir(envdir)
-    shutil.rmtree(envdir / "tx", ignore_errors=True)
+    _rmtree(envdir / "tx")
 
 
 def recover(target: Target) -> str | None:
     """Complete a transaction a previous call left behind (killed mid-swap). Caller holds the lock."""
     journal = _read_json(target.envdir / "journal.json")
     if journal is None:
-        shutil.rmtree(target.envdir / "tx", ignore_errors=True)  # staging that never reached the swap
+        _rmtree(target.envdir / "tx")  # staging that never reached the swap
         return None
     _run_journal(target, journal)
     return f"completed an interrupted {journal['op']} ({journal['txid']})"
@@ -529,7 +528,7 @@ def _transact(target: Target, op: str, changes: list[dict], manifest: dict | Non
         for f in files:
             write_atomic(Path(f["path"]), originals[f["rel"]], f["mode"])
         (envdir / "journal.json").unlink(missing_ok=True)
-        shutil.rmtree(envdir / "tx", ignore_errors=True)
+        _rmtree(envdir / "tx")
         raise
 
 
@@ -657,6 +656,8 @@ def _record_check(target: Target, rels) -> list[str]:
 
 
 def _reinstall(target: Target, spec: dict) -> dict:
+    import subprocess  # noqa: PLC0415 - the only place that starts a process
+
     cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps",
            "--disable-pip-version-check", "-q", f"{target.package}=={target.version}", *(spec.get("pip_args") or [])]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -668,7 +669,7 @@ def _reinstall(target: Target, spec: dict) -> dict:
            record_b64(file_sha(again.path(rel)) or "0" * 64) != h]
     if bad:
         raise Refused(f"after reinstall {len(bad)} files still differ from RECORD: {', '.join(bad[:3])}")
-    shutil.rmtree(target.envdir / "backup", ignore_errors=True)
+    _rmtree(target.envdir / "backup")
     (target.envdir / "manifest.json").unlink(missing_ok=True)
     return {"ok": True, "changed": True, "installed": target.version, "reinstalled": True,
             "message": f"reinstalled {target.package}=={target.version} from its wheel; every file matches RECORD"}

@@ -5,45 +5,33 @@ stdin to the host's python and answers one JSON document. Versions come from pac
 ``import torch``: importing a CUDA build can take seconds and touch the GPUs), GPUs from nvidia-smi,
 vLLM servers from /proc, and "edited after install" from pip's RECORD hashes.
 
-Run by hand on a host:  python3 probe.py < spec.json   (spec: {"workdir": "~/.eagle-harness"})
+Run by hand on a host, next to distinfo.py (the harness ships both):
+    python3 probe.py < spec.json   (spec: {"workdir": "~/.eagle-harness"})
 """
 import base64
 import hashlib
 import json
 import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
-from importlib import metadata
+
+import distinfo
 
 PACKAGES = ["torch", "vllm", "speculators", "transformers", "triton", "safetensors", "datasets"]
 NCCL_DISTS = ["nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11", "nvidia-nccl"]
+NO_VLLM = "vLLM is not installed on this host: nothing to check"
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL", re.I)
 
 
 def _normalize(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return distinfo.normalize(name)
 
 
 def installed_versions():
     """{normalized name: version} of every distribution on sys.path, from one listing of each
-    site directory (``<name>-<version>.dist-info``): ~1 ms, where asking importlib.metadata name by
-    name rescans every directory each time."""
-    found = {}
-    for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for n in names:
-            if n.endswith((".dist-info", ".egg-info")):
-                stem = n.rsplit(".", 1)[0]
-                name, _, version = stem.partition("-")
-                if version:
-                    found.setdefault(_normalize(name), version.split("-py")[0])
-    return found
+    site directory (``<name>-<version>.dist-info``): ~1 ms, where asking name by name would
+    rescan every directory each time."""
+    return distinfo.installed_versions()
 
 
 def packages():
@@ -62,21 +50,33 @@ def os_facts():
                     pretty = line.split("=", 1)[1].strip().strip('"')
     except OSError:
         pass
+    u = os.uname()  # what platform.node/system/release/machine return on Linux, without importing it
     return {
-        "hostname": platform.node(),
-        "os": pretty or platform.system(),
-        "kernel": platform.release(),
-        "arch": platform.machine(),
-        "python": platform.python_version(),
+        "hostname": u.nodename,
+        "os": pretty or u.sysname,
+        "kernel": u.release,
+        "arch": u.machine,
+        "python": sys.version.split()[0],  # platform.python_version(): "3.11.2", "3.13.0rc1"
         "python_path": sys.executable,
         "cpus": os.cpu_count(),
     }
 
 
+def _which(name):
+    """shutil.which(name) for a plain command name, without loading shutil."""
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(d, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def _nvidia_smi(args):
-    exe = shutil.which("nvidia-smi")
+    exe = _which("nvidia-smi")
     if not exe:
         return None
+    import subprocess  # noqa: PLC0415 - loaded only on a host that has a driver to ask
+
     try:
         out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
@@ -122,8 +122,8 @@ def disk(workdir):
         if parent == path:
             break
         path = parent
-    usage = shutil.disk_usage(path)
-    return {"path": path, "free_bytes": usage.free, "total_bytes": usage.total}
+    st = os.statvfs(path)  # what shutil.disk_usage computes
+    return {"path": path, "free_bytes": st.f_bavail * st.f_frsize, "total_bytes": st.f_blocks * st.f_frsize}
 
 
 def vllm_servers():
@@ -172,33 +172,26 @@ def env_vars():
 
 def record_drift(dist_name="speculators"):
     """Files of an installed distribution whose sha256 no longer matches pip's RECORD."""
-    try:
-        dist = metadata.distribution(dist_name)
-    except metadata.PackageNotFoundError:
+    dist = distinfo.find(dist_name)
+    if dist is None:
         return None
     edited, missing, checked = [], [], 0
-    for f in dist.files or []:
-        if not f.hash or f.hash.mode != "sha256":
-            continue
-        path = f.locate()
+    for rel, recorded in dist.sha256_record().items():
         try:
-            with open(path, "rb") as fh:
+            with open(dist.locate(rel), "rb") as fh:
                 digest = base64.urlsafe_b64encode(hashlib.sha256(fh.read()).digest()).rstrip(b"=").decode()
         except FileNotFoundError:
-            missing.append(str(f))
+            missing.append(rel)
             continue
         checked += 1
-        if digest != f.hash.value:
-            edited.append(str(f))
+        if digest != recorded:
+            edited.append(rel)
     return {"checked": checked, "edited": sorted(edited), "missing": sorted(missing)}
 
 
 def speculators_path():
-    try:
-        dist = metadata.distribution("speculators")
-    except metadata.PackageNotFoundError:
-        return None
-    return str(dist.locate_file("speculators"))
+    dist = distinfo.find("speculators")
+    return None if dist is None else dist.locate("speculators")
 
 
 def main(spec):
@@ -221,13 +214,18 @@ def main(spec):
             facts["patches"] = {"error": "patchtool not shipped"}
         else:
             facts["patches"] = patchtool.status(spec["patches"])
-    if spec.get("apicheck") is not None:
-        try:
-            import apicheck  # noqa: PLC0415
-        except ImportError:
-            facts["apicheck"] = {"error": "apicheck not shipped"}
+    api = spec.get("apicheck")
+    if api is not None:
+        if not api.get("vllm_path") and distinfo.package_root("vllm")[0] is None:
+            # apicheck.check's own answer for this case, without loading apicheck (and ast) at all
+            facts["apicheck"] = {"ok": True, "skipped": NO_VLLM, "mismatches": []}
         else:
-            facts["apicheck"] = apicheck.check(spec["apicheck"])
+            try:
+                import apicheck  # noqa: PLC0415
+            except ImportError:
+                facts["apicheck"] = {"error": "apicheck not shipped"}
+            else:
+                facts["apicheck"] = apicheck.check(api)
     return facts
 
 
