@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -340,10 +341,25 @@ def render(results: dict[str, Any], console: Console, op: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # the audit's view: patch states and the vLLM API preflight, in the same probe round trip
 
+_AUDIT_PAYLOAD: dict[tuple, dict[str, Any]] = {}
+_AUDIT_LOCK = threading.Lock()
+
+
+def _audit_payload() -> dict[str, Any]:
+    """``build_payload()`` once per audit, not once per host (YAML + validation cost ~20 ms each):
+    kept for as long as no file of the series changes (size and mtime)."""
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in series_dirs() for f in sorted(d.iterdir()))
+    with _AUDIT_LOCK:
+        if key not in _AUDIT_PAYLOAD:
+            _AUDIT_PAYLOAD.clear()
+            _AUDIT_PAYLOAD[key] = build_payload()
+        return _AUDIT_PAYLOAD[key]
+
+
 def audit_extend(inv, host, spec: dict) -> list[str]:
     """Add the patch status and the API preflight to the probe's spec; returns the modules to ship."""
     try:
-        payload = build_payload()
+        payload = _audit_payload()
     except HarnessError as e:
         spec["patches"] = None
         spec["patches_error"] = str(e)
