@@ -1,8 +1,8 @@
 """Audit wall time: ``inv audit`` on 1 and on 8 loopback hosts, against an equivalent Ansible run.
 
 Both sides reach the same real sshd processes with the same key. Ansible runs a playbook with
-``gather_facts: true`` plus the same probe (remote/probe.py through the script module) on every host,
-with forks=8; ours is the real CLI (``inv audit --json``), process start-up included on both sides.
+``gather_facts: true`` plus the same probe (remote/probe.py and the helper it imports, as one zipapp
+file through the script module) on every host, with forks=8; ours is the real CLI (``inv audit --json``), process start-up included on both sides.
 
 Prints medians of several runs and the ratios the issue sets bars for:
   8 hosts / 1 host (ours)   <= 1.5
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipapp
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +45,19 @@ def timed(argv: list[str], env: dict | None = None) -> float:
     if r.returncode != 0:
         raise SystemExit(f"{argv[0]} failed ({r.returncode}): {(r.stderr or r.stdout)[-800:]}")
     return dt
+
+
+def probe_bundle(dest: Path) -> Path:
+    """remote/probe.py plus the remote modules it imports as one runnable file: Ansible's script
+    module copies a single file, and python runs a zipapp's __main__ with its members importable."""
+    from harness.connection import with_deps
+
+    src = dest / "probe-bundle"
+    src.mkdir()
+    for name in with_deps(["probe"]):
+        shutil.copy(REPO / "remote" / f"{name}.py", src / ("__main__.py" if name == "probe" else f"{name}.py"))
+    zipapp.create_archive(src, dest / "probe.pyz")
+    return dest / "probe.pyz"
 
 
 def ensure_user(name: str) -> None:
@@ -93,7 +107,7 @@ def main() -> None:
             (tmp / "audit.yml").write_text(yaml.safe_dump([{
                 "hosts": "gpu", "gather_facts": True,
                 "tasks": [{"name": "probe", "ansible.builtin.script": {
-                    "cmd": str(REPO / "remote" / "probe.py"), "executable": python}}],
+                    "cmd": str(probe_bundle(tmp)), "executable": python}}],
             }]))
             env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_REMOTE_TMP="/tmp/eh-bench-ansible", ANSIBLE_FORKS=str(args.hosts),
                        ANSIBLE_SSH_ARGS=f"-o UserKnownHostsFile={kh} -o ControlMaster=no",
