@@ -85,7 +85,7 @@ def test_missing_name_and_module_reported(tmp_path):
 
 
 def test_audit_runs_preflight_and_patch_status_on_installed_vllm(sshd, host_env, tmp_path):
-    """vLLM installed in the host's venv (found via importlib.metadata, never imported), over real sshd."""
+    """vLLM installed in the host's venv (found from its dist-info, never imported), over real sshd."""
     py = host_env("0.3.0", vllm="0.16.0")
     inv = inventory_for(sshd, py, tmp_path)
     r = run_inv("audit", "--json", "--inventory", str(inv))
@@ -105,3 +105,12 @@ def test_audit_runs_preflight_and_patch_status_on_installed_vllm(sshd, host_env,
     assert {p["state"] for p in h["patches"]["patches"]} == {"applied"}
     checks = {c["name"]: c["status"] for c in h["checks"]}
     assert checks["vLLM API preflight"] == "pass" and checks["patch 0005-step-protocol-per-request-prefill"] == "pass"
+
+
+def test_audit_without_vllm_gives_apichecks_own_answer(sshd, host_env, tmp_path):
+    """No vLLM on the host: the probe answers without loading apicheck, exactly as apicheck would."""
+    py = host_env("0.3.0", vllm=None)
+    h = json.loads(run_inv("audit", "--json", "--inventory", str(inventory_for(sshd, py, tmp_path))).stdout)["hosts"]["gpu1"]
+    assert h["apicheck"] == apicheck.check({"vllm_path": str(tmp_path)}) == {
+        "ok": True, "skipped": apicheck.NO_VLLM, "mismatches": []}
+    assert {c["name"]: c["status"] for c in h["checks"]}["vLLM API preflight"] == "pass"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -266,3 +267,107 @@ def test_too_old_python_is_one_line(sshd, tmp_path):
     with open_host(inv.hosts["h"], inv) as conn:
         with pytest.raises(HarnessError, match="python 3.6 is too old"):
             conn.run_script("probe", {})
+
+
+# ------------------------------------------------------------------------------------------------
+# remote/distinfo.py (the probe's and patchtool's reader of pip's metadata) and the lazy bootstrap
+
+REMOTE = Path(__file__).resolve().parent.parent / "remote"
+
+_DISTINFO_VS_METADATA = r"""
+import base64, hashlib, json, os, sys
+sys.path.insert(0, sys.argv[1])
+import distinfo
+from importlib import metadata
+d, m = distinfo.find("speculators"), metadata.distribution("speculators")
+rec = d.sha256_record()
+def b64(path):
+    with open(d.locate(path), "rb") as f:
+        return base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
+print(json.dumps({
+    "version": [d.version, m.version],
+    "site": [os.path.realpath(d.site), os.path.realpath(str(m.locate_file("")))],
+    "record": rec,
+    "metadata_record": {str(f): f.hash.value for f in m.files if f.hash and f.hash.mode == "sha256"},
+    "mismatched": [p for p, h in rec.items() if b64(p) != h],
+    "root": distinfo.package_root("speculators"),
+    "absent": distinfo.find("no-such-distribution") is None,
+}))
+"""
+
+
+def test_distinfo_reads_pips_record_like_importlib_metadata(speculators_env):
+    """Against a real pip install of speculators 0.3.0: the same distribution, version, site and
+    sha256 rows as importlib.metadata, and every row checks against the file it names, the
+    ``../../../bin`` console script that pip writes outside site-packages included."""
+    py = speculators_env("0.3.0", fresh=True)  # pristine: another test edits the shared one
+    r = subprocess.run([str(py), "-c", _DISTINFO_VS_METADATA, str(REMOTE)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["version"] == ["0.3.0", "0.3.0"]
+    assert got["site"][0] == got["site"][1] and got["site"][0].startswith(str(py.parent.parent.resolve()))
+    assert got["record"] == got["metadata_record"] and len(got["record"]) > 20
+    assert any(p.startswith("../") and "/bin/" in p for p in got["record"]), "pip's script row is missing"
+    assert got["mismatched"] == []
+    assert got["root"][1] == "0.3.0" and Path(got["root"][0], "speculators", "__init__.py").is_file()
+    assert got["absent"] is True
+
+
+def test_distinfo_egg_info_and_missing_record(tmp_path):
+    """An egg-info directory, an egg-info that is one PKG-INFO file (old distutils installs), and a
+    dist-info without RECORD: versions as importlib.metadata reads them, and nothing to hash-check."""
+    from importlib import metadata
+
+    sys.path.insert(0, str(REMOTE))
+    try:
+        import distinfo
+    finally:
+        sys.path.remove(str(REMOTE))
+    (tmp_path / "Foo_Bar-1.0-py3.11.egg-info").mkdir()
+    (tmp_path / "Foo_Bar-1.0-py3.11.egg-info" / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: foo-bar\nVersion: 1.0.post2\n")
+    (tmp_path / "oldpkg-2.0.egg-info").write_text("Metadata-Version: 1.0\nName: oldpkg\nVersion: 2.0\n")
+    (tmp_path / "norecord-3.0.dist-info").mkdir()
+    (tmp_path / "norecord-3.0.dist-info" / "METADATA").write_text("Name: norecord\nVersion: 3.0\n\nVersion: not this\n")
+    for name, version in [("foo.bar", "1.0.post2"), ("oldpkg", "2.0"), ("norecord", "3.0")]:
+        d = distinfo.find(name, [str(tmp_path)])
+        (m,) = metadata.Distribution.discover(name=name, path=[str(tmp_path)])
+        assert d.version == m.version == version
+        assert d.sha256_record() == {} and d.files() == []
+    assert distinfo.find("foo-bar", [str(tmp_path / "nowhere"), str(tmp_path)]).site == str(tmp_path)
+
+
+def _script_dir(tmp_path: Path, **modules: str) -> Path:
+    d = tmp_path / "remote"
+    d.mkdir()
+    for name, src in modules.items():
+        (d / f"{name}.py").write_text(src)
+    return d
+
+
+def test_bootstrap_compiles_only_imported_modules(sshd, tmp_path):
+    """Shipped modules load by name when imported; one that nothing imports is never compiled, so
+    even a syntax error in it changes nothing; print() while main runs cannot corrupt the reply."""
+    root = _script_dir(
+        tmp_path,
+        entry="import helper, sys\n"
+              "def main(spec):\n"
+              "    print('chatter goes to stderr')\n"
+              "    return {'double': helper.double(spec['n']), 'file': helper.__file__,\n"
+              "            'loaded': sorted(m for m in ('helper', 'unused') if m in sys.modules)}\n",
+        helper="def double(n):\n    return 2 * n\n",
+        unused="def broken(:\n",
+    )
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry()}))
+    with open_host(inv.hosts["h"], inv) as conn:
+        out = conn.run_script("entry", {"n": 21}, modules=["helper", "unused"], remote_dir=root)
+    assert out == {"double": 42, "file": "<remote/helper.py>", "loaded": ["helper"]}
+
+
+def test_bootstrap_syntax_error_in_imported_module_is_one_line(sshd, tmp_path):
+    root = _script_dir(tmp_path, entry="import broken\ndef main(spec):\n    return {}\n", broken="x = (\n")
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry()}))
+    with open_host(inv.hosts["h"], inv) as conn:
+        with pytest.raises(HarnessError) as e:
+            conn.run_script("entry", {}, modules=["broken"], remote_dir=root)
+    msg = str(e.value)
+    assert msg.startswith("host h: entry: SyntaxError:") and "(broken.py, line 1)" in msg and "\n" not in msg
