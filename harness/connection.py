@@ -42,7 +42,8 @@ KEEPALIVE_SECONDS = 15
 #: remote/ modules that a shipped module imports: run_script ships them along (one place to say it)
 REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "probe": ("distinfo",),
-    "patchtool": ("distinfo",),
+    "patchtool": ("patchstate",),
+    "patchstate": ("distinfo",),
     "apicheck": ("distinfo",),
 }
 

@@ -366,7 +366,7 @@ def audit_extend(inv, host, spec: dict) -> list[str]:
         return []
     spec["patches"] = host_spec(host, "status", payload)
     spec["apicheck"] = {"fixes": api_fixes(payload)}
-    return ["patchtool", "apicheck"]
+    return ["patchstate", "apicheck"]  # the read-only part of remote/patchtool.py is all the probe needs
 
 
 def audit_checks(host, facts: dict) -> list:

@@ -1,13 +1,10 @@
 """Patch the installed speculators on a host as one transaction: status, plan, apply, rollback.
 
-Runs ON the host (stdlib only), shipped by the harness with a JSON spec (and distinfo.py, which
-it imports), or by hand next to distinfo.py: ``python patchtool.py < spec.json``. Why here and not over SSH step by step: a dropped link must
-leave the host finished or untouched, so every mutation is one local transaction with a journal.
-
-State is a function of content hashes. Per file, the series gives a chain of sha256 values
-(pristine -> after patch a -> after patch b ...); pip's RECORD gives the pristine one. A file whose
-hash is in the chain is pristine or patched up to some step; one that is not has drifted (edited by
-hand): the series' grep checks then say whether the fix is present ("applied by hand") or not.
+Runs ON the host (stdlib only), shipped by the harness with a JSON spec together with the modules it
+imports (patchstate.py, distinfo.py), or by hand next to them: ``python patchtool.py < spec.json``.
+Why here and not over SSH step by step: a dropped link must leave the host finished or untouched, so
+every mutation is one local transaction with a journal. What state the files are in (pristine,
+patched, drifted: a function of content hashes) is patchstate.py's part.
 
 Spec keys (all ops): ``op`` (status | plan | apply | rollback), ``package`` (default speculators),
 ``series`` ({version: {"patches": [...]}} as built by harness/patches.py), ``facts`` ({"profile":
@@ -16,43 +13,23 @@ Spec keys (all ops): ``op`` (status | plan | apply | rollback), ``package`` (def
 """
 from __future__ import annotations
 
-import base64
 import fcntl
-import hashlib
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import distinfo
+from patchstate import (
+    Refused, Target, _patch_states, _read_json, file_chains, file_sha, record_b64, selected_patches, sha256_hex,
+    status,
+)
 
 TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
-
-
-class Refused(Exception):
-    """A one-line reason why an operation was not done (nothing on the host was changed)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# hashes
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def record_b64(hex_digest: str) -> str:
-    """pip's RECORD spelling of a sha256 (urlsafe base64, no padding)."""
-    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
-
-
-def file_sha(path: Path) -> str | None:
-    try:
-        return sha256_hex(path.read_bytes())
-    except FileNotFoundError:
-        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,7 +41,7 @@ class HunkFailed(Exception):
         self.file, self.number, self.header, self.reason = file, number, header, reason
 
 
-_HUNK = r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@"  # compiled on first use (re's cache): status never parses a diff
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 def parse_diff(text: str) -> list[dict]:
@@ -80,7 +57,7 @@ def parse_diff(text: str) -> list[dict]:
             files.append({"path": path, "hunks": []})
             i += 2
             continue
-        m = re.match(_HUNK, line)
+        m = _HUNK.match(line)
         if m:
             if not files:
                 raise ValueError(f"line {i + 1}: hunk before any file header")
@@ -146,241 +123,7 @@ def apply_file_patch(data: bytes, fpatch: dict, reverse: bool = False) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------
-# facts and conditions
-
-def _vtuple(v: str) -> tuple:
-    nums = []
-    for part in re.split(r"[.+-]", v):
-        m = re.match(r"\d+", part)
-        if not m:
-            break
-        nums.append(int(m.group()))
-    return tuple(nums)
-
-
-def version_matches(version: str | None, spec: str) -> bool:
-    """``"0.16.0"`` against ``">=0.12,<0.20"`` (numeric release parts only)."""
-    if version is None:
-        return False
-    v = _vtuple(version)
-    for clause in [c.strip() for c in spec.split(",") if c.strip()]:
-        m = re.match(r"(>=|<=|==|!=|>|<)\s*(.+)", clause)
-        if not m:
-            raise Refused(f"bad version condition {clause!r}")
-        op, want = m.group(1), _vtuple(m.group(2))
-        n = max(len(v), len(want))
-        a, b = v + (0,) * (n - len(v)), want + (0,) * (n - len(want))
-        ok = {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b, "<": a < b}[op]
-        if not ok:
-            return False
-    return True
-
-
-def dist_version_at(root: str, name: str) -> str | None:
-    """Version of ``name`` from a ``*.dist-info`` under ``root`` (an unpacked wheel, a --target dir)."""
-    dist = distinfo.find(name, [os.path.expanduser(root)])
-    return dist.version if dist else None
-
-
-def host_facts(spec: dict) -> dict:
-    facts = dict(spec.get("facts") or {})
-    if "vllm" not in facts:
-        if spec.get("vllm_path"):
-            facts["vllm"] = dist_version_at(spec["vllm_path"], "vllm")
-        else:
-            dist = distinfo.find("vllm")
-            facts["vllm"] = dist.version if dist else None
-    return facts
-
-
-def condition_met(conditions: dict, facts: dict) -> tuple[bool, str]:
-    """Whether every condition holds on these facts, and a short reason when one does not."""
-    for key, want in (conditions or {}).items():
-        have = facts.get(key)
-        if isinstance(want, list):
-            ok = have in want
-        elif isinstance(want, str) and re.match(r"\s*(>=|<=|==|!=|>|<)", want):
-            ok = version_matches(have, want)
-        else:
-            ok = have == want
-        if not ok:
-            return False, f"{key} is {have if have is not None else 'absent'}, needs {want}"
-    return True, ""
-
-
-# ------------------------------------------------------------------------------------------------
-# the installed package and the series for it
-
-class Target:
-    """The installed package (found from this python), its RECORD, and the patch series for it."""
-
-    def __init__(self, spec: dict):
-        self.package = spec.get("package", "speculators")
-        dist = distinfo.find(self.package)
-        if dist is None:
-            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it")
-        self.version = dist.version
-        self.site = Path(dist.site).resolve()
-        self.record = dist.sha256_record()  # {path relative to site: sha256 as pip spells it}
-        self.available = sorted((spec.get("series") or {}).keys(), key=_vtuple)
-        self.series = (spec.get("series") or {}).get(self.version)
-        self.env_id = f"{self.package}-{self.version}-{sha256_hex(str(self.site).encode())[:12]}"
-        self.envdir = Path(os.path.expanduser(spec.get("workdir") or "~/.eagle-harness")) / "patches" / self.env_id
-        self.facts = host_facts(spec)
-
-    def mismatch(self) -> str:
-        have = ", ".join(self.available) or "none"
-        return (f"{self.package} {self.version} is installed ({self.site}); "
-                f"patch sets exist for {self.package} {have}")
-
-    def require_series(self) -> dict:
-        if self.series is None:
-            raise Refused(self.mismatch())
-        return self.series
-
-    def path(self, rel: str) -> Path:
-        return self.site / rel
-
-
-def selected_patches(target: Target) -> tuple[list[dict], dict[str, str]]:
-    """The patches whose conditions hold here, and why the others are not needed."""
-    chosen, skipped = [], {}
-    for p in target.require_series()["patches"]:
-        ok, why = condition_met(p.get("conditions") or {}, target.facts)
-        if ok:
-            chosen.append(p)
-        else:
-            skipped[p["name"]] = why
-    return chosen, skipped
-
-
-def file_chains(target: Target, chosen: list[dict]) -> dict[str, list[tuple[str | None, str]]]:
-    """Per file: [(patch name or None for pristine, sha256)] along the selected series.
-
-    Raises Refused when the selected patches touching a file are not a prefix of all the series'
-    patches touching it (the series' hashes would not describe the result)."""
-    chains: dict[str, list] = {}
-    every: dict[str, list[str]] = {}
-    for p in target.series["patches"]:
-        for rel in p["files"]:
-            every.setdefault(rel, []).append(p["name"])
-    for p in chosen:
-        for rel, h in p["files"].items():
-            chain = chains.setdefault(rel, [(None, h["before"])])
-            if chain[-1][1] != h["before"]:
-                raise Refused(f"series {target.version}: patch {p['name']} expects {rel} at "
-                              f"{h['before'][:12]} but the previous step leaves {chain[-1][1][:12]}")
-            chain.append((p["name"], h["after"]))
-    for rel, chain in chains.items():
-        names = [n for n, _ in chain[1:]]
-        if names != every[rel][:len(names)]:
-            raise Refused(f"series {target.version}: the conditions select {', '.join(names)} for {rel} "
-                          f"but skip an earlier patch of that file; fix the conditions in series.yaml")
-        rec = target.record.get(rel)
-        if rec is not None and rec != record_b64(chain[0][1]):
-            raise Refused(f"{rel}: pip's RECORD hash differs from the series' pristine hash: this is not the "
-                          f"PyPI build of {target.package} {target.version} the series was written for")
-    return chains
-
-
-def checks_pass(target: Target, patch: dict) -> bool:
-    """The patch's grep checks: every ``present`` pattern found and every ``absent`` one not."""
-    checks = patch.get("checks") or []
-    if not checks:
-        return False
-    for c in checks:
-        try:
-            text = target.path(c["file"]).read_text(errors="replace")
-        except FileNotFoundError:
-            return False
-        if "present" in c and not re.search(c["present"], text, re.M):
-            return False
-        if "absent" in c and re.search(c["absent"], text, re.M):
-            return False
-    return True
-
-
-# ------------------------------------------------------------------------------------------------
-# status
-
-def _patch_states(target: Target) -> tuple[list[dict], dict, dict]:
-    chosen, skipped = selected_patches(target)
-    chains = file_chains(target, chosen)
-    current = {rel: file_sha(target.path(rel)) for rel in chains}
-    position = {}
-    for rel, chain in chains.items():
-        hashes = [h for _, h in chain]
-        position[rel] = hashes.index(current[rel]) if current[rel] in hashes else None
-    out = []
-    for p in target.series["patches"]:
-        row = {"name": p["name"], "title": p.get("title", ""), "files": sorted(p["files"])}
-        if p["name"] in skipped:
-            row.update(state="not needed", detail=skipped[p["name"]])
-            out.append(row)
-            continue
-        states = set()
-        for rel in p["files"]:
-            k = [n for n, _ in chains[rel]].index(p["name"])  # this patch's step in the file's chain
-            pos = position[rel]
-            states.add("drifted" if pos is None else ("applied" if pos >= k else "pristine"))
-        if states == {"applied"}:
-            row.update(state="applied", detail="hashes match this series")
-        elif states == {"pristine"}:
-            row.update(state="pristine", detail="not applied yet")
-        elif "drifted" in states:
-            hand = checks_pass(target, p)
-            row.update(state="applied by hand" if hand else "drifted",
-                       detail=("the fix is present but the file's hash is not ours" if hand else
-                               "the file was edited and the fix is absent"))
-        else:
-            row.update(state="drifted", detail="its files are at different steps of the series")
-        out.append(row)
-    files = {rel: {"sha256": current[rel], "pristine": chains[rel][0][1],
-                   "target": chains[rel][-1][1],
-                   "state": ("drifted" if position[rel] is None else
-                             "pristine" if position[rel] == 0 else
-                             "patched" if position[rel] == len(chains[rel]) - 1 else "partly patched")}
-             for rel in chains}
-    return out, files, chains
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def status(spec: dict) -> dict:
-    """Per patch: not needed / pristine / applied / applied by hand / drifted (read-only)."""
-    try:
-        target = Target(spec)
-    except Refused as e:
-        return {"ok": False, "state": "not installed", "error": str(e)}
-    base = {"package": target.package, "installed": target.version, "site": str(target.site),
-            "available": target.available, "env_id": target.env_id, "facts": target.facts}
-    if target.series is None:
-        return {**base, "ok": False, "state": "version mismatch", "error": target.mismatch()}
-    try:
-        patches, files, _ = _patch_states(target)
-    except Refused as e:
-        return {**base, "ok": False, "state": "error", "error": str(e)}
-    journal = _read_json(target.envdir / "journal.json")
-    manifest = _read_json(target.envdir / "manifest.json")
-    busy = lock_holder(target.envdir)
-    return {**base, "ok": True, "state": "ok", "patches": patches, "files": files, "manifest": manifest,
-            "busy": busy, "interrupted": journal["op"] if journal and busy is None else None}
-
-
-# ------------------------------------------------------------------------------------------------
 # the transaction: lock, journal, atomic swap, recovery
-
-def _rmtree(path: Path) -> None:
-    """Remove a directory tree if it is there (shutil loaded here: the status path never needs it)."""
-    import shutil  # noqa: PLC0415
-
-    shutil.rmtree(path, ignore_errors=True)
-
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -435,23 +178,6 @@ class Lock:
         os.close(self.fd)
 
 
-def lock_holder(envdir: Path) -> str | None:
-    """The pid of a running apply/rollback on this environment, without taking or creating the lock."""
-    path = envdir / "lock"
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-    finally:
-        os.close(fd)
-
-
 def _hook(spec: dict, name: str) -> None:
     """Test-only pauses (to cut the SSH link at a known moment); ignored unless the env var is set."""
     if os.environ.get(TEST_HOOKS_ENV) == "1":
@@ -483,19 +209,19 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
         for p in (envdir / "manifest.json",):
             if p.exists():
                 p.unlink()
-        _rmtree(envdir / "backup")
+        shutil.rmtree(envdir / "backup", ignore_errors=True)
     else:
         write_atomic(envdir / "manifest.json", json.dumps(manifest, indent=2).encode())
     (envdir / "journal.json").unlink()
     _fsync_dir(envdir)
-    _rmtree(envdir / "tx")
+    shutil.rmtree(envdir / "tx", ignore_errors=True)
 
 
 def recover(target: Target) -> str | None:
     """Complete a transaction a previous call left behind (killed mid-swap). Caller holds the lock."""
     journal = _read_json(target.envdir / "journal.json")
     if journal is None:
-        _rmtree(target.envdir / "tx")  # staging that never reached the swap
+        shutil.rmtree(target.envdir / "tx", ignore_errors=True)  # staging that never reached the swap
         return None
     _run_journal(target, journal)
     return f"completed an interrupted {journal['op']} ({journal['txid']})"
@@ -528,7 +254,7 @@ def _transact(target: Target, op: str, changes: list[dict], manifest: dict | Non
         for f in files:
             write_atomic(Path(f["path"]), originals[f["rel"]], f["mode"])
         (envdir / "journal.json").unlink(missing_ok=True)
-        _rmtree(envdir / "tx")
+        shutil.rmtree(envdir / "tx", ignore_errors=True)
         raise
 
 
@@ -656,8 +382,6 @@ def _record_check(target: Target, rels) -> list[str]:
 
 
 def _reinstall(target: Target, spec: dict) -> dict:
-    import subprocess  # noqa: PLC0415 - the only place that starts a process
-
     cmd = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps",
            "--disable-pip-version-check", "-q", f"{target.package}=={target.version}", *(spec.get("pip_args") or [])]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -669,7 +393,7 @@ def _reinstall(target: Target, spec: dict) -> dict:
            record_b64(file_sha(again.path(rel)) or "0" * 64) != h]
     if bad:
         raise Refused(f"after reinstall {len(bad)} files still differ from RECORD: {', '.join(bad[:3])}")
-    _rmtree(target.envdir / "backup")
+    shutil.rmtree(target.envdir / "backup", ignore_errors=True)
     (target.envdir / "manifest.json").unlink(missing_ok=True)
     return {"ok": True, "changed": True, "installed": target.version, "reinstalled": True,
             "message": f"reinstalled {target.package}=={target.version} from its wheel; every file matches RECORD"}

@@ -209,11 +209,11 @@ def main(spec):
     # Optional parts shipped in the same bundle by the harness (issue: patches, API preflight).
     if spec.get("patches") is not None:
         try:
-            import patchtool  # noqa: PLC0415 - only present when the harness ships it
+            import patchstate  # noqa: PLC0415 - only present when the harness ships it
         except ImportError:
-            facts["patches"] = {"error": "patchtool not shipped"}
+            facts["patches"] = {"error": "patchstate not shipped"}
         else:
-            facts["patches"] = patchtool.status(spec["patches"])
+            facts["patches"] = patchstate.status(spec["patches"])
     api = spec.get("apicheck")
     if api is not None:
         if not api.get("vllm_path") and distinfo.package_root("vllm")[0] is None:
