@@ -86,35 +86,48 @@ def _clean(path):
     return ("/" if path.startswith("/") else "") + "/".join(parts)
 
 
+_INDEX = {}  # directory -> (its mtime, {normalized name: metadata directory name})
+
+
+def _index(entry):
+    """``{normalized name: metadata directory name}`` of one sys.path entry. Kept while the
+    directory's mtime stays the same (an install or removal changes it): the probe asks about
+    several distributions, and a GPU host's site-packages holds hundreds of entries."""
+    path = entry or "."
+    try:
+        mtime = os.stat(path).st_mtime_ns
+        if path in _INDEX and _INDEX[path][0] == mtime:
+            return _INDEX[path][1]
+        names = sorted(os.listdir(path))
+    except OSError:
+        return {}
+    found = {}
+    for n in names:
+        if n.lower().endswith((".dist-info", ".egg-info")):
+            found.setdefault(_key(n), n)
+    _INDEX[path] = (mtime, found)
+    return found
+
+
 def find(name, path=None):
     """The installed distribution ``name`` (the first on ``path``, default ``sys.path``), or None."""
     want = normalize(name)
     for entry in sys.path if path is None else path:
-        try:
-            names = sorted(os.listdir(entry or "."))
-        except OSError:
-            continue
-        for n in names:
-            if n.lower().endswith((".dist-info", ".egg-info")) and _key(n) == want:
-                return Dist(os.path.join(entry, n))
+        n = _index(entry).get(want)
+        if n is not None:
+            return Dist(os.path.join(entry, n))
     return None
 
 
 def installed_versions(path=None):
-    """``{normalized name: version}`` of every distribution on ``path`` (default ``sys.path``), from
-    one listing of each directory: the version in the directory name, no file read."""
+    """``{normalized name: version}`` of every distribution on ``path`` (default ``sys.path``): the
+    version in the directory name, no file read."""
     found = {}
     for entry in sys.path if path is None else path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for n in names:
-            if n.endswith((".dist-info", ".egg-info")):
-                stem = n.rsplit(".", 1)[0]
-                dist, _, version = stem.partition("-")
-                if version:
-                    found.setdefault(normalize(dist), version.split("-py")[0])
+        for key, n in _index(entry).items():
+            version = n.rsplit(".", 1)[0].partition("-")[2]
+            if version:
+                found.setdefault(key, version.split("-py")[0])
     return found
 
 
