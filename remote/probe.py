@@ -28,9 +28,8 @@ def _normalize(name):
 
 
 def installed_versions():
-    """{normalized name: version} of every distribution on sys.path, from one listing of each
-    site directory (``<name>-<version>.dist-info``): ~1 ms, where asking name by name would
-    rescan every directory each time."""
+    """{normalized name: version} of every distribution on sys.path, read from the metadata
+    directories' names (``<name>-<version>.dist-info``) in one listing of each site directory."""
     return distinfo.installed_versions()
 
 
