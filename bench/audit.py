@@ -89,6 +89,7 @@ def main() -> None:
     if not Path(playbook_bin).exists():
         raise SystemExit("ansible-playbook not found: pip install ansible-core (or set ANSIBLE_PLAYBOOK)")
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tmp.chmod(0o755)  # the remote user reads the shared authorized_keys file in here
@@ -115,7 +116,6 @@ def main() -> None:
             ours = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "audit", "--json",
                     "--inventory", str(tmp / "inventory.yaml")]
             theirs = [playbook_bin, "-i", str(tmp / "hosts.ini"), str(tmp / "audit.yml")]
-            results = {}
             # In-process too: the harness's own CPU time per audit (the rest of the wall time is the
             # loopback hosts' sshd and python, which here share this machine's cores with the client).
             from harness import audit
@@ -132,10 +132,15 @@ def main() -> None:
                     walls.append(time.perf_counter() - t0)
                     cpus.append(time.process_time() - c0)
                 inproc[n] = (statistics.median(walls), statistics.median(cpus))
-            for label, argv in [("ours 1 host", ours + ["--hosts", "host0"]), (f"ours {args.hosts} hosts", ours),
-                                ("ansible 1 host", theirs + ["--limit", "host0"]), (f"ansible {args.hosts} hosts", theirs)]:
+            runs = [("ours 1 host", ours + ["--hosts", "host0"]), (f"ours {args.hosts} hosts", ours),
+                    ("ansible 1 host", theirs + ["--limit", "host0"]), (f"ansible {args.hosts} hosts", theirs)]
+            for _, argv in runs:
                 timed(argv, env)  # warm-up (imports, page cache)
-                results[label] = statistics.median(timed(argv, env) for _ in range(args.repeat))
+            samples: dict[str, list[float]] = {label: [] for label, _ in runs}
+            for _ in range(args.repeat):  # interleaved: a change in the machine's load hits every case alike
+                for label, argv in runs:
+                    samples[label].append(timed(argv, env))
+            results = {label: statistics.median(v) for label, v in samples.items()}
         finally:
             for h in hosts:
                 h.stop()
@@ -144,7 +149,8 @@ def main() -> None:
     for k, (wall, cpu) in inproc.items():
         print(f"in-process, {k} host(s): wall {wall * 1000:6.0f} ms, harness CPU {cpu * 1000:5.0f} ms")
     print(f"remote user {args.user}, python {python}; cores on this machine: {os.cpu_count()} "
-          f"(the {n} loopback hosts' sshd + python run on them too)")
+          f"(the {n} loopback hosts' sshd + python run on them too); 1-minute load average before the run: "
+          f"{load_before:.2f} (other work on these cores slows the {n}-host case most)")
     for label, t in results.items():
         print(f"{label:<20} {t * 1000:8.0f} ms")
     print(f"ours {n} hosts / 1 host:      {results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x   (bar <= 1.5)")
