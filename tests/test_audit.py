@@ -371,3 +371,21 @@ def test_bootstrap_syntax_error_in_imported_module_is_one_line(sshd, tmp_path):
             conn.run_script("entry", {}, modules=["broken"], remote_dir=root)
     msg = str(e.value)
     assert msg.startswith("host h: entry: SyntaxError:") and "(broken.py, line 1)" in msg and "\n" not in msg
+
+
+def test_remote_deps_declare_every_module_level_import_of_a_sibling():
+    """run_script ships what REMOTE_DEPS lists; a remote script importing a sibling it does not list
+    would fail on the host with ModuleNotFoundError."""
+    import ast
+
+    from harness.connection import REMOTE_DEPS
+
+    siblings = {p.stem for p in REMOTE.glob("*.py")}
+    for path in sorted(REMOTE.glob("*.py")):
+        imported = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                imported.add(node.module.split(".")[0])
+        assert imported & siblings <= set(REMOTE_DEPS.get(path.stem, ())), path.name
