@@ -8,6 +8,7 @@ A distribution is found the way ``importlib.metadata.distribution(name)`` finds 
 ``sys.path`` entry, in order, holding ``<name>-<version>.dist-info`` (or ``.egg-info``), names
 compared after PEP 503 normalisation.
 """
+import base64
 import csv
 import os
 import re
@@ -78,6 +79,11 @@ class Dist:
     def locate(self, rel):
         """Where a RECORD path (or a top-level package name) is on disk."""
         return os.path.join(self.site, rel)
+
+
+def record_b64(hex_digest):
+    """pip's RECORD spelling of a sha256 (urlsafe base64, no padding)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
 
 
 def _clean(path):

@@ -11,7 +11,6 @@ third of the patch tool (not the diff applier and the transactions) saves each h
 """
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
 import json
@@ -33,9 +32,7 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def record_b64(hex_digest: str) -> str:
-    """pip's RECORD spelling of a sha256 (urlsafe base64, no padding)."""
-    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
+record_b64 = distinfo.record_b64  # patchtool imports it from here
 
 
 def file_sha(path: Path) -> str | None:

@@ -8,7 +8,6 @@ vLLM servers from /proc, and "edited after install" from pip's RECORD hashes.
 Run by hand on a host, next to distinfo.py (the harness ships both):
     python3 probe.py < spec.json   (spec: {"workdir": "~/.eagle-harness"})
 """
-import base64
 import hashlib
 import json
 import os
@@ -178,7 +177,7 @@ def record_drift(dist_name="speculators"):
     for rel, recorded in dist.sha256_record().items():
         try:
             with open(dist.locate(rel), "rb") as fh:
-                digest = base64.urlsafe_b64encode(hashlib.sha256(fh.read()).digest()).rstrip(b"=").decode()
+                digest = distinfo.record_b64(hashlib.sha256(fh.read()).hexdigest())
         except FileNotFoundError:
             missing.append(rel)
             continue
