@@ -146,6 +146,11 @@ class PipelineSpec(_Strict):
     epochs: int = Field(default=1, ge=1)
     lr: float = Field(default=1e-4, gt=0)
     ttt_steps: int = Field(default=3, ge=1)
+    #: TTT steps after the first read the verified next token (speculators' use_off_policy_tokens)
+    #: rather than the draft's own guess: a chain only goes on past an accepted token, which equals it
+    ttt_verified_tokens: bool = True
+    #: weight of TTT step s's loss = decay ** s
+    ttt_step_loss_decay: float = Field(default=1.0, gt=0, le=1)
     k: int = Field(default=3, ge=1)
     seed: int = 0
     extra: dict[str, Any] = Field(default_factory=dict)

@@ -46,8 +46,8 @@ READS: dict[str, tuple[str, ...]] = {
     "extract": ("capture_layers", "backend", "max_seq_len", "batch_size", "tensor_parallel",
                 "gpu_memory_utilization"),
     "vocab": ("draft_vocab_size",),
-    "train": ("epochs", "lr", "ttt_steps", "k", "seed", "draft_layers", "draft_intermediate_size", "train_seq_len",
-              "val_fraction", "gpus", "compile"),
+    "train": ("epochs", "lr", "ttt_steps", "ttt_verified_tokens", "ttt_step_loss_decay", "k", "seed", "draft_layers",
+              "draft_intermediate_size", "train_seq_len", "val_fraction", "gpus", "compile"),
     "evaluate": ("k", "max_new_tokens", "max_seq_len", "batch_size", "backend", "tensor_parallel", "compile"),
 }
 #: stages that need the GPUs (and so the service guard) when the host has any

@@ -315,6 +315,9 @@ def test_train_checkpoint_reads_back_with_speculators_and_vllms_config_loader(pi
     metrics = json.loads((arts["train"] / "metrics.json").read_text())
     steps = metrics["train"]
     assert len(steps) == results["train"]["steps"] > 0 and len(metrics["val"]) == PIPELINE["epochs"]
+    # TTT steps trained on the verified tokens (the default), each step's accuracy recorded
+    assert metrics["config"]["ttt_verified_tokens"] is True and metrics["config"]["ttt_step_loss_decay"] == 1.0
+    assert {f"cond_acc_{s}" for s in range(PIPELINE["ttt_steps"])} <= set(steps[-1])
     assert (arts["train"] / "loss.png").stat().st_size > 1000
     # vLLM's speculators config loader, from the real vLLM source
     vllm_config = vllm_speculators_config(ckpt)
