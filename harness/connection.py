@@ -42,7 +42,7 @@ KEEPALIVE_SECONDS = 15
 #: remote/ modules that a shipped module imports: run_script ships them along (one place to say it)
 REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "probe": ("distinfo",),
-    "patchtool": ("patchstate",),
+    "patchtool": ("patchstate", "distinfo"),
     "patchstate": ("distinfo",),
     "apicheck": ("distinfo",),
 }

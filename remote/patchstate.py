@@ -32,9 +32,6 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-record_b64 = distinfo.record_b64  # patchtool imports it from here
-
-
 def file_sha(path: Path) -> str | None:
     try:
         return sha256_hex(path.read_bytes())
@@ -174,7 +171,7 @@ def file_chains(target: Target, chosen: list[dict]) -> dict[str, list[tuple[str 
             raise Refused(f"series {target.version}: the conditions select {', '.join(names)} for {rel} "
                           f"but skip an earlier patch of that file; fix the conditions in series.yaml")
         rec = target.record.get(rel)
-        if rec is not None and rec != record_b64(chain[0][1]):
+        if rec is not None and rec != distinfo.record_b64(chain[0][1]):
             raise Refused(f"{rel}: pip's RECORD hash differs from the series' pristine hash: this is not the "
                           f"PyPI build of {target.package} {target.version} the series was written for")
     return chains

@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from distinfo import record_b64
 from patchstate import (
-    Refused, Target, _patch_states, _read_json, file_chains, file_sha, record_b64, selected_patches, sha256_hex,
-    status,
+    Refused, Target, _patch_states, _read_json, file_chains, file_sha, selected_patches, sha256_hex, status,
 )
 
 TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
