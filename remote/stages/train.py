@@ -205,8 +205,7 @@ def main(spec: dict) -> dict:
     metric_logger.setLevel(logging.INFO)
     state = os.path.join(spec["run_dir"], "train-state")  # per-epoch checkpoints + optimizer state
     decay = float(pipeline.get("ttt_step_loss_decay") or 1.0)
-    # Training: TTT step s > 0 reads the verified token (speculators' "off-policy" tokens) unless
-    # pipeline.ttt_verified_tokens is false. Validation always feeds the draft its own guesses, as serving does.
+    # which token TTT steps s > 0 read: see the module docstring; validation always the draft's own guesses
     verified = bool(pipeline.get("ttt_verified_tokens", True))
     call = {"use_off_policy_tokens": verified, "ttt_steps": ttt, "ttt_step_loss_decay": decay}
     val_call = {**call, "use_off_policy_tokens": False}
