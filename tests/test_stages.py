@@ -326,6 +326,62 @@ def test_train_checkpoint_reads_back_with_speculators_and_vllms_config_loader(pi
     assert vllm_config["draft_vocab_size"] == PIPELINE["draft_vocab_size"]
 
 
+COMPARE_FORWARDS = r'''
+import numpy as np
+import torch
+from speculators.models.eagle3 import Eagle3DraftModel
+from stages import train
+
+torch.compiler.set_stance("force_eager")
+torch.manual_seed(0)
+arts = {k: Path(v) for k, v in spec["inputs"].items()}
+meta = json.loads((arts["extract"] / "extract.json").read_text())
+d2t, t2d = (torch.from_numpy(np.load(arts["vocab"] / f)) for f in ("d2t.npy", "t2d.npy"))
+config = train.draft_config(spec["model"]["path"], spec, int(d2t.shape[0]), meta["eagle_aux_hidden_state_layer_ids"])
+model = Eagle3DraftModel(config=config, t2d=t2d, d2t=d2t)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+files = sorted((arts["extract"] / "data").glob("data_*.pt"))
+report = {"batches": 0, "unscored": 0.0, "loss": 0.0, "grad": 0.0, "metric": 0.0, "metrics": set()}
+for batch in train.loader(files, spec["pipeline"], 0, 1, train=False):
+    report["batches"] += 1
+    report["unscored"] = max(report["unscored"], 1 - batch["loss_mask"].float().mean().item())
+    for verified in (False, True):
+        call = {"ttt_steps": 3, "use_off_policy_tokens": verified}
+        out = []
+        for forward in (Eagle3DraftModel.forward, train.loss_positions_forward):
+            model.zero_grad()
+            _, loss, metrics = forward(model, **batch, **call)
+            loss.backward()
+            out.append((loss.item(), {k: float(v) for k, v in metrics.items()},
+                        [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (l1, m1, g1), (l2, m2, g2) = out
+        report["loss"] = max(report["loss"], abs(l1 - l2) / abs(l1))
+        report["grad"] = max(report["grad"], max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(g1, g2)))
+        report["metric"] = max(report["metric"], max(abs(m1[k] - m2[k]) for k in m1))
+        report["metrics"] |= set(m1) ^ set(m2)
+        report["metrics"] |= {"gradients differ in number"} if len(g1) != len(g2) else set()
+    opt.step()  # this forward's gradients (equal to speculators'): later batches meet a trained draft
+report["metrics"] = sorted(map(str, report["metrics"]))
+print("COMPARED " + json.dumps(report))
+'''
+
+
+def test_train_forward_on_loss_positions_matches_speculators_forward(pipeline_run, patched_speculators):
+    """stages.train.loss_positions_forward (bound to the draft on CPU) runs TTT steps > 0 and the logits
+    only where they reach the loss. It must give speculators' own loss, gradients and metrics, with the
+    verified tokens and with the draft's own, on the real packed batches of the tiny pipeline, at
+    initialisation and after optimiser steps."""
+    _, specs, _, _, _ = pipeline_run
+    spec = next(s for s in specs if s["stage"] == "train")
+    proc = run_stages(patched_speculators, [], after=f"from pathlib import Path\nspec = json.loads({json.dumps(json.dumps(spec))})\n"
+                      + COMPARE_FORWARDS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.split("COMPARED ", 1)[1])
+    assert report["batches"] >= 2 and report["unscored"] > 0.2  # prompt positions were there to skip
+    assert report["metrics"] == []  # the same metric names, gradients for the same parameters
+    assert report["loss"] < 1e-5 and report["grad"] < 1e-4 and report["metric"] < 1e-4, report
+
+
 def vllm_speculators_config(checkpoint: Path) -> dict:
     """Run vLLM 0.16's SpeculatorsConfig conversion (its own files, read from the PyPI wheel) on a
     checkpoint. vLLM itself cannot be imported without CUDA, so only these two modules are loaded."""
