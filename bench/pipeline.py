@@ -11,8 +11,9 @@ Then prints, each with its bar:
   shared with other work, wall time > CPU time shows the time spent waiting for a core);
 * the held-out acceptance length (k = 3; >= 1.8), from evaluate's metrics.json;
 * hf extraction against a bare transformers forward over the same tokens (<= 1.15x): the same model
-  and the same batches (extract's own batching), the decoder forward alone versus extract's
-  capture + bf16 copy + torch.save; alternated three times, best of each;
+  and the same batches (extract's own batching), the decoder forward alone (the same forward extract
+  runs: a batch's shared prompt prefix once) versus extract's capture + bf16 copy + torch.save;
+  alternated three times, best of each;
 * hidden-state bytes on disk (== layers x hidden x 2 bytes per token): the storages each data file
   holds for its hidden states, as torch.load reads them back.
 
@@ -77,14 +78,14 @@ def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 
     dataset.set_format("torch")
     layers = json.loads((workdir / "runs" / "extract-bench" / "artifacts" / "extract.json").read_text())["capture_layers"]
     todo, batch_size = list(range(min(samples, len(dataset)))), int(pipeline.get("batch_size") or 8)
-    decoder, _ = common.decoder_layers(net)
+    forward = extract.HfCapture(net, [])  # the same forward (shared prompt prefix once), no layer captured
     bare, full = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(3):
             start = time.perf_counter()
             with torch.inference_mode():
                 for _index, _rows, batch in extract.batches(dataset, todo, batch_size):
-                    decoder(input_ids=batch.to(dev), use_cache=False)
+                    forward(batch.to(dev))
             bare.append(time.perf_counter() - start)
             capture = extract.HfCapture(net, layers)
             start = time.perf_counter()

@@ -241,6 +241,41 @@ def test_captured_layers_are_layer_outputs_and_vllm_ids_are_one_higher(pipeline_
     assert torch.allclose(model.model.norm(stored[3]), hf[NUM_LAYERS][0], atol=5e-2)
 
 
+def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
+    """generate() and HfCapture run the tokens all rows start with (the chat template's system prompt)
+    once and the rest on their KV cache. Replies and captured states must be those of the plain batch."""
+    import torch
+    from stages import extract, prepare
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    questions = ["What is DNA?", "Explain gravity in simple terms, please.", "Write a haiku about tea.", "Hi"]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for q in questions]
+    shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    assert shared >= prepare.SHARED_PREFIX_MIN  # the system prompt is long enough to be shared
+
+    replies = prepare.generate(model, tok, prompts, 12, "cpu")
+    monkeypatch.setattr(prepare, "SHARED_PREFIX_MIN", 10**9)
+    assert replies == prepare.generate(model, tok, prompts, 12, "cpu")
+    # and each row as if alone
+    assert replies == [prepare.generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
+
+    sequences = [p + r for p, r in zip(prompts, replies)]
+    batch = torch.zeros((len(sequences), max(map(len, sequences))), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        batch[row, :len(seq)] = torch.tensor(seq)
+    capture = extract.HfCapture(model, [1, 4, 6, 7])
+    states = capture(batch)
+    monkeypatch.setattr(extract, "SHARED_PREFIX_MIN", 10**9)
+    plain = capture(batch)
+    for row, seq in enumerate(sequences):
+        for a, b in zip(states, plain):
+            assert torch.allclose(a[row, :len(seq)], b[row, :len(seq)], atol=1e-5, rtol=1e-4)
+
+
 def test_extract_resumes_with_the_samples_not_yet_written(pipeline_run, patched_speculators, tmp_path):
     _, specs, results, arts, _ = pipeline_run
     n = results["extract"]["samples"]

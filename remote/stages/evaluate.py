@@ -7,12 +7,12 @@ token of its own; acceptance length = mean(accepted + 1) over steps (1.0: the dr
 Offline, with transformers, computed exactly but without a step loop. Greedy verification makes the
 output the target's greedy continuation whatever the draft proposes, so: (1) generate that
 continuation once per prompt; (2) one target forward over prompt + continuation gives the captured
-hidden states at every position; (3) one draft forward (speculators' own, ``ttt_steps = k``) gives at
-every position j the chain of k tokens the draft proposes when j is the last verified position: at
-TTT step s, position j attends to the verified positions <= j and to its own earlier steps only,
-which is what the draft sees at serving time; (4) walk the continuation: from position t, accept the
-proposals of t-1 that match, jump by accepted + 1. tests/test_stages.py checks this against a literal
-step-by-step loop.
+hidden states at every position (a batch of prompts at a time, as extract does); (3) one draft
+forward (speculators' own, ``ttt_steps = k``) gives at every position j the chain of k tokens the
+draft proposes when j is the last verified position: at TTT step s, position j attends to the
+verified positions <= j and to its own earlier steps only, which is what the draft sees at serving
+time; (4) walk the continuation: from position t, accept the proposals of t-1 that match, jump by
+accepted + 1. tests/test_stages.py checks this against a literal step-by-step loop.
 
 Held-out prompts come from prepare's ``heldout.jsonl`` (never trained on); the continuation is
 ``pipeline.max_new_tokens`` long at most. With ``pipeline.backend: vllm`` and vLLM on the host, the
@@ -139,12 +139,17 @@ def main(spec: dict) -> dict:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), batch_size):
         chunk = [prompts[i] for i in order[start:start + batch_size]]
-        for prompt, reply in zip(chunk, generate(target, tokenizer, chunk, max_new, dev)):
-            sequence = prompt + reply
-            ids = torch.tensor(sequence, device=dev)
-            states = [h[0] for h in capture(ids.unsqueeze(0))]
-            accepted += walk(sequence, draft_chains(draft, states, ids, k), len(prompt), k)
-            generated += len(reply)
+        sequences = [prompt + reply for prompt, reply in zip(chunk, generate(target, tokenizer, chunk, max_new, dev))]
+        # one capture for the chunk, right-padded: causal attention keeps the padding out of real tokens
+        batch = torch.zeros((len(sequences), max(map(len, sequences))), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            batch[row, :len(sequence)] = torch.tensor(sequence)
+        states = capture(batch.to(dev))
+        for row, (prompt, sequence) in enumerate(zip(chunk, sequences)):
+            n = len(sequence)
+            chains = draft_chains(draft, [h[row, :n] for h in states], batch[row, :n].to(dev), k)
+            accepted += walk(sequence, chains, len(prompt), k)
+            generated += n - len(prompt)
         common.progress(min(start + batch_size, len(order)), len(order), "prompts")
 
     steps = len(accepted)

@@ -11,7 +11,8 @@ captured, pre-norm, exactly what speculators' VllmHiddenStatesGenerator stores (
 Backends (``pipeline.backend``):
 * ``hf``: a transformers forward through the decoder only (no lm_head: its logits are not needed), with
   forward hooks on the capture layers; batches of ``pipeline.batch_size`` similar-length samples,
-  right-padded (causal attention never lets a real token see the padding after it).
+  right-padded (causal attention never lets a real token see the padding after it); the tokens all
+  samples of a batch start with (the chat template's system prompt) run once, the rest on their cache.
 * ``vllm``: speculators' VllmHiddenStatesGenerator (patched for the host's vLLM), tensor parallel over
   ``pipeline.tensor_parallel`` GPUs.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from stages import common
 
 STAGE = "extract"
+SHARED_PREFIX_MIN = 8  # shorter shared prefixes are not worth a second forward call
 
 
 def save_sample(path: Path, input_ids, hidden_states, loss_mask):
@@ -57,12 +59,24 @@ class HfCapture:
         return keep
 
     def __call__(self, input_ids):
+        """Captured states ``[rows, seq, hidden]`` per layer. The leading tokens every row shares (a chat
+        template's system prompt: a quarter of the default's tokens) run once, and the rest of each row
+        runs on their KV cache: the same states, in a quarter less time."""
         import torch
 
+        rows, width = input_ids.shape
+        shared = int((input_ids == input_ids[:1]).all(dim=0).long().cumprod(0).sum())
+        shared = min(shared, width - 1)  # at least one token of each row runs on the cache
         self.captured = {}
         with torch.inference_mode():
-            self.decoder(input_ids=input_ids, use_cache=False)
-        return [self.captured[layer] for layer in self.layers]
+            if rows == 1 or shared < SHARED_PREFIX_MIN:
+                self.decoder(input_ids=input_ids, use_cache=False)
+                return [self.captured[layer] for layer in self.layers]
+            cache = self.decoder(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values
+            prefix = [self.captured[layer].expand(rows, -1, -1) for layer in self.layers]
+            cache.batch_repeat_interleave(rows)
+            self.decoder(input_ids=input_ids[:, shared:], past_key_values=cache, use_cache=True)
+            return [torch.cat([p, self.captured[layer]], dim=1) for p, layer in zip(prefix, self.layers)]
 
     def close(self):
         for hook in self.hooks:

@@ -22,6 +22,7 @@ from pathlib import Path
 from stages import common
 
 STAGE = "prepare"
+SHARED_PREFIX_MIN = 8  # shorter shared prefixes are not worth a separate prefill
 
 
 def load_conversations(pipeline: dict) -> list[list[dict]]:
@@ -91,19 +92,38 @@ def regenerate(conversations: list[list[dict]], model, tokenizer, pipeline: dict
 
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new: int, dev: str) -> list[list[int]]:
-    """Greedy continuations of a batch of tokenised prompts (left-padded), up to and including EOS."""
+    """Greedy continuations of a batch of tokenised prompts, up to and including EOS.
+
+    The tokens every prompt starts with (a chat template's system prompt: two thirds of the default's
+    prompt tokens) are prefilled once and their KV cache shared by the batch. Each row is laid out as
+    [shared tokens, padding, own tokens]: the attention mask hides the padding and transformers counts
+    positions over real tokens only, so every row decodes as if alone.
+    """
     import torch
 
-    width = max(len(ids) for ids in prompts)
+    shared = 0
+    if len(prompts) > 1:
+        shortest = min(len(ids) for ids in prompts)
+        while shared < shortest - 1 and all(ids[shared] == prompts[0][shared] for ids in prompts):
+            shared += 1
+        shared = shared if shared >= SHARED_PREFIX_MIN else 0
+    width = shared + max(len(ids) - shared for ids in prompts)
     input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, width - len(ids):] = 1
+        own = len(ids) - shared
+        input_ids[row, :shared], input_ids[row, width - own:] = torch.tensor(ids[:shared]), torch.tensor(ids[shared:])
+        mask[row, :shared], mask[row, width - own:] = 1, 1
     with torch.inference_mode():
+        cache = {}
+        if shared:
+            cache["past_key_values"] = model(input_ids=input_ids[:1, :shared].to(dev), use_cache=True,
+                                             logits_to_keep=1).past_key_values
+            cache["past_key_values"].batch_repeat_interleave(len(prompts))
         generated = model.generate(
             input_ids=input_ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+            **cache,
         )
     stops = model.generation_config.eos_token_id
     stops = set(stops if isinstance(stops, list) else [stops]) | {tokenizer.eos_token_id}
