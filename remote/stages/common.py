@@ -3,6 +3,8 @@ model (including the GGUF-to-directory cache) and the capture-layer convention.
 
 Kept small on purpose: a stage file should read top to bottom without jumping here for its logic.
 """
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -162,6 +164,23 @@ def _gguf_path(model: dict) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers reads a GGUF afresh for the tokenizer, the config and the weights (its metadata
+    holds the whole vocabulary: ~8 s a read for SmolLM2's 49k tokens) and rebuilds gguf's tensor-name
+    map once per module (~400 times); both are pure, so inside this block one reader per file and one
+    map per (arch, layers) serve every call: the conversion takes half the time."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -193,8 +212,9 @@ def model_dir(spec: dict) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # transformers' GGUF reader can take the chat model's turn start for its EOS (SmolLM2:
         # <|im_start|>); the generation config has the real end of turn: make the tokenizer agree
         eos = model.generation_config.eos_token_id
