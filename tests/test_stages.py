@@ -245,7 +245,7 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
     """generate() and HfCapture run the tokens all rows start with (the chat template's system prompt)
     once and the rest on their KV cache. Replies and captured states must be those of the plain batch."""
     import torch
-    from stages import extract, prepare
+    from stages import common, extract, prepare
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny)
@@ -255,21 +255,21 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for q in questions]
     shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
-    assert shared >= prepare.SHARED_PREFIX_MIN  # the system prompt is long enough to be shared
+    assert shared >= common.SHARED_PREFIX_MIN  # the system prompt is long enough to be shared
+    assert common.shared_prefix(prompts) == shared
 
     replies = prepare.generate(model, tok, prompts, 12, "cpu")
-    monkeypatch.setattr(prepare, "SHARED_PREFIX_MIN", 10**9)
-    assert replies == prepare.generate(model, tok, prompts, 12, "cpu")
-    # and each row as if alone
-    assert replies == [prepare.generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
-
     sequences = [p + r for p, r in zip(prompts, replies)]
     batch = torch.zeros((len(sequences), max(map(len, sequences))), dtype=torch.long)
     for row, seq in enumerate(sequences):
         batch[row, :len(seq)] = torch.tensor(seq)
     capture = extract.HfCapture(model, [1, 4, 6, 7])
     states = capture(batch)
-    monkeypatch.setattr(extract, "SHARED_PREFIX_MIN", 10**9)
+
+    monkeypatch.setattr(common, "SHARED_PREFIX_MIN", 10**9)  # from here on: the plain batch
+    assert replies == prepare.generate(model, tok, prompts, 12, "cpu")
+    # and each row as if alone
+    assert replies == [prepare.generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
     plain = capture(batch)
     for row, seq in enumerate(sequences):
         for a, b in zip(states, plain):

@@ -268,6 +268,21 @@ def decoder_layers(model):
     return decoder, decoder.layers
 
 
+SHARED_PREFIX_MIN = 8  # a shorter shared prefix is not worth a forward call of its own
+
+
+def shared_prefix(rows: list[list[int]]) -> int:
+    """How many leading tokens every row of a batch shares (a chat template's system prompt), for
+    generation and capture to run once: at most the shortest row's length - 1, so every row keeps a
+    token of its own; 0 for a single row or fewer than ``SHARED_PREFIX_MIN`` shared tokens."""
+    if len(rows) < 2:
+        return 0
+    shared, shortest = 0, min(len(row) for row in rows)
+    while shared < shortest - 1 and all(row[shared] == rows[0][shared] for row in rows):
+        shared += 1
+    return shared if shared >= SHARED_PREFIX_MIN else 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # capture layers: the off-by-one between speculators and vLLM
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from stages import common
 
 STAGE = "extract"
-SHARED_PREFIX_MIN = 8  # shorter shared prefixes are not worth a second forward call
 
 
 def save_sample(path: Path, input_ids, hidden_states, loss_mask):
@@ -64,12 +63,11 @@ class HfCapture:
         runs on their KV cache: the same states, in a quarter less time."""
         import torch
 
-        rows, width = input_ids.shape
-        shared = int((input_ids == input_ids[:1]).all(dim=0).long().cumprod(0).sum())
-        shared = min(shared, width - 1)  # at least one token of each row runs on the cache
+        rows = input_ids.shape[0]
+        shared = common.shared_prefix(input_ids.tolist())
         self.captured = {}
         with torch.inference_mode():
-            if rows == 1 or shared < SHARED_PREFIX_MIN:
+            if not shared:
                 self.decoder(input_ids=input_ids, use_cache=False)
                 return [self.captured[layer] for layer in self.layers]
             cache = self.decoder(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values

@@ -22,7 +22,6 @@ from pathlib import Path
 from stages import common
 
 STAGE = "prepare"
-SHARED_PREFIX_MIN = 8  # shorter shared prefixes are not worth a separate prefill
 
 
 def load_conversations(pipeline: dict) -> list[list[dict]]:
@@ -101,12 +100,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new: int, dev: str)
     """
     import torch
 
-    shared = 0
-    if len(prompts) > 1:
-        shortest = min(len(ids) for ids in prompts)
-        while shared < shortest - 1 and all(ids[shared] == prompts[0][shared] for ids in prompts):
-            shared += 1
-        shared = shared if shared >= SHARED_PREFIX_MIN else 0
+    shared = common.shared_prefix(prompts)
     width = shared + max(len(ids) - shared for ids in prompts)
     input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
