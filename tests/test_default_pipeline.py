@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import REPO, make_venv, run_inv
 from harness import pipeline
 
 
+# The default job is sized to the 15-minute bar on a 2-core machine, so it alone can outlast
+# the suite's 900 s per-test limit; a slower CI machine gets room, the bar is bench/pipeline.py's.
+@pytest.mark.timeout(2700)
 def test_default_pipeline_on_smollm2(tmp_path):
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     py = make_venv(tmp_path / "venv", "--no-deps", "speculators==0.3.0", system_site_packages=True)
@@ -26,7 +30,7 @@ def test_default_pipeline_on_smollm2(tmp_path):
     path.write_text(yaml.safe_dump(inv, sort_keys=False))
 
     r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path),
-                env={"HARNESS_RUNS_DIR": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1"}, timeout=1800)
+                env={"HARNESS_RUNS_DIR": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1"}, timeout=2400)
     assert r.returncode == 0, r.stderr[-4000:]
     stages = json.loads(r.stdout)["local"]
     assert [s["stage"] for s in stages] == pipeline.ORDER
