@@ -260,9 +260,7 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
 
     replies = prepare.generate(model, tok, prompts, 12, "cpu")
     sequences = [p + r for p, r in zip(prompts, replies)]
-    batch = torch.zeros((len(sequences), max(map(len, sequences))), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        batch[row, :len(seq)] = torch.tensor(seq)
+    batch = extract.right_padded(sequences)
     capture = extract.HfCapture(model, [1, 4, 6, 7])
     states = capture(batch)
 

@@ -24,7 +24,7 @@ Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, step
 import json
 
 from stages import common
-from stages.extract import HfCapture
+from stages.extract import HfCapture, right_padded
 from stages.prepare import generate
 
 STAGE = "evaluate"
@@ -140,14 +140,11 @@ def main(spec: dict) -> dict:
     for start in range(0, len(order), batch_size):
         chunk = [prompts[i] for i in order[start:start + batch_size]]
         sequences = [prompt + reply for prompt, reply in zip(chunk, generate(target, tokenizer, chunk, max_new, dev))]
-        # one capture for the chunk, right-padded: causal attention keeps the padding out of real tokens
-        batch = torch.zeros((len(sequences), max(map(len, sequences))), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            batch[row, :len(sequence)] = torch.tensor(sequence)
-        states = capture(batch.to(dev))
+        batch = right_padded(sequences).to(dev)  # one capture for the chunk
+        states = capture(batch)
         for row, (prompt, sequence) in enumerate(zip(chunk, sequences)):
             n = len(sequence)
-            chains = draft_chains(draft, [h[row, :n] for h in states], batch[row, :n].to(dev), k)
+            chains = draft_chains(draft, [h[row, :n] for h in states], batch[row, :n], k)
             accepted += walk(sequence, chains, len(prompt), k)
             generated += n - len(prompt)
         common.progress(min(start + batch_size, len(order)), len(order), "prompts")

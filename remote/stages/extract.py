@@ -81,19 +81,24 @@ class HfCapture:
             hook.remove()
 
 
-def batches(dataset, todo: list[int], batch_size: int):
-    """``(indices, rows, input_ids)`` batches of similar-length samples, right-padded with 0: with causal
-    attention a real token never sees the padding after it, so no attention mask is needed."""
+def right_padded(sequences) -> "torch.Tensor":
+    """Token sequences as one ``[rows, longest]`` batch, right-padded with 0: with causal attention a
+    real token never sees the padding after it, so no attention mask is needed."""
     import torch
 
+    batch = torch.zeros((len(sequences), max(len(s) for s in sequences)), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        batch[row, :len(sequence)] = torch.as_tensor(sequence)
+    return batch
+
+
+def batches(dataset, todo: list[int], batch_size: int):
+    """``(indices, rows, input_ids)`` batches of similar-length samples, ``right_padded``."""
     todo = sorted(todo, key=lambda i: len(dataset[i]["input_ids"]))
     for start in range(0, len(todo), batch_size):
         index = todo[start:start + batch_size]
         rows = [dataset[i] for i in index]
-        batch = torch.zeros((len(rows), max(len(r["input_ids"]) for r in rows)), dtype=torch.long)
-        for b, r in enumerate(rows):
-            batch[b, :len(r["input_ids"])] = r["input_ids"]
-        yield index, rows, batch
+        yield index, rows, right_padded([r["input_ids"] for r in rows])
 
 
 def write_samples(capture: HfCapture, dataset, todo: list[int], out: Path, batch_size: int, dev: str):
