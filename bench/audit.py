@@ -1,7 +1,7 @@
 """Audit wall time: ``inv audit`` on 1 and on 8 loopback hosts, against an equivalent Ansible run.
 
 Both sides reach the same real sshd processes with the same key. Ansible runs a playbook with
-``gather_facts: true`` plus the same probe (remote/probe.py and the helper it imports, as one zipapp
+``gather_facts: true`` plus the same probe (remote/tools/probe.py and the helper it imports, as one zipapp
 file through the script module) on every host, with forks=8; ours is the real CLI (``inv audit --json``), process start-up included on both sides.
 
 Prints medians of several runs and the ratios the issue sets bars for:
@@ -55,7 +55,7 @@ def probe_bundle(dest: Path) -> Path:
     src = dest / "probe-bundle"
     src.mkdir()
     for name in with_deps(["probe"]):
-        shutil.copy(REPO / "remote" / f"{name}.py", src / ("__main__.py" if name == "probe" else f"{name}.py"))
+        shutil.copy(REPO / "remote" / "tools" / f"{name}.py", src / ("__main__.py" if name == "probe" else f"{name}.py"))
     zipapp.create_archive(src, dest / "probe.pyz")
     return dest / "probe.pyz"
 

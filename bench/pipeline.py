@@ -3,7 +3,7 @@
     python bench/pipeline.py [--workdir DIR [--reuse]] [--threads N] [--inventory inventory.yaml]
 
 Runs the five stages of the shipped inventory's pipeline (model and settings from inventory.yaml) on
-this machine, each as the runner launches it (``python -m runstage SPEC`` with the remote/ tree as
+this machine, each as the runner launches it (``python -m runtime.runstage SPEC`` with the remote/ tree as
 cwd), in a fresh work directory unless ``--workdir`` names one (a kept one reuses the converted model).
 Then prints, each with its bar:
 
@@ -49,7 +49,7 @@ def run_stage(stage: str, workdir: Path, model: dict, pipeline: dict, env: dict)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with open(run_dir / "log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "runstage", str(run_dir / "spec.json")], cwd=REMOTE,
+        proc = subprocess.run([sys.executable, "-m", "runtime.runstage", str(run_dir / "spec.json")], cwd=REMOTE,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -8,5 +8,11 @@ from pathlib import Path
 #: The repository root: templates/, patches/ and remote/ are found relative to it.
 ROOT = Path(__file__).resolve().parent.parent
 REMOTE_DIR = ROOT / "remote"
+#: stdlib scripts sent with each call (probe, patchtool, runctl...): never part of the code bundle
+TOOLS_DIR = REMOTE_DIR / "tools"
+#: what rides in the code bundle uploaded to a host: the stage runner and the stages
+BUNDLE_DIRS = ("runtime", "stages")
+#: pinned pip profiles for ``inv setup``
+REQUIREMENTS_DIR = REMOTE_DIR / "requirements"
 TEMPLATES_DIR = ROOT / "templates"
 PATCHES_DIR = ROOT / "patches"

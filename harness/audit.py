@@ -1,6 +1,6 @@
 """``inv audit``: one probe per host, in parallel, turned into checks and a report.
 
-The facts come from ``remote/probe.py`` (one SSH round trip per host after the handshake); this module
+The facts come from ``remote/tools/probe.py`` (one SSH round trip per host after the handshake); this module
 only decides what they mean (``checks``) and how to show them (a rich table, or JSON).
 """
 from __future__ import annotations

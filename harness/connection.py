@@ -8,7 +8,7 @@ channel whose stdin is written in one ``sendall`` — a whole script reaches the
 ``HostConnection`` gives the same small API for both transports:
 
 * ``exec(cmd, stdin=None)`` — one shell command, one round trip, ``ExecResult(rc, stdout, stderr)``;
-* ``run_script(entry, spec, modules=())`` — ship ``remote/<entry>.py`` (plus helper modules and what
+* ``run_script(entry, spec, modules=())`` — ship ``remote/tools/<entry>.py`` (plus helper modules and what
   ``REMOTE_DEPS`` says they import) and a JSON spec over stdin to the host's python, call
   ``main(spec)`` there, return its dict;
 * ``put(local, remote)``, ``ssh_argv()`` (for rsync ``-e``), ``close()``.
@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 import fabric
 import paramiko
 
-from harness import REMOTE_DIR
+from harness import TOOLS_DIR
 from harness.errors import HarnessError, HostKeyError, HostUnreachable
 from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
 
@@ -86,8 +86,8 @@ class Shipped:
         return None
     @classmethod
     def exec_module(cls, m):
-        m.__file__ = "<remote/%s.py>" % m.__name__
-        exec(compile(cls.sources[m.__name__], "remote/%s.py" % m.__name__, "exec"), m.__dict__)
+        m.__file__ = "<remote/tools/%s.py>" % m.__name__
+        exec(compile(cls.sources[m.__name__], "remote/tools/%s.py" % m.__name__, "exec"), m.__dict__)
 sys.meta_path.insert(0, Shipped)
 out = sys.stdout; sys.stdout = sys.stderr
 try:
@@ -446,8 +446,8 @@ class HostConnection:
 
     def run_script(self, entry: str, spec: dict, modules: Iterable[str] = (), timeout: float | None = None,
                    remote_dir: Path | None = None) -> dict:
-        """Run ``remote/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip."""
-        root = remote_dir or REMOTE_DIR
+        """Run ``remote/tools/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip."""
+        root = remote_dir or TOOLS_DIR
         payload = {
             "modules": {n: (root / f"{n}.py").read_text() for n in with_deps([entry, *modules])},
             "entry": entry,
@@ -463,7 +463,7 @@ class HostConnection:
                 raise HarnessError(
                     f"host {self.name}: python interpreter {self.host.python!r} not found on the host "
                     f"({tail}); fix 'python' in the inventory or run inv setup")
-            raise HarnessError(f"host {self.name}: remote/{entry}.py failed (exit {res.rc}): {tail}")
+            raise HarnessError(f"host {self.name}: remote/tools/{entry}.py failed (exit {res.rc}): {tail}")
         if not reply.get("ok"):
             raise HarnessError(f"host {self.name}: {entry}: {reply.get('error')}")
         return reply["result"]

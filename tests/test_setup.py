@@ -26,7 +26,7 @@ def test_python_must_point_into_a_venv():
 
 
 def test_shipped_profiles_pin_what_the_stages_need():
-    cpu = (REPO / "remote" / "requirements-cpu.txt").read_text()
+    cpu = (REPO / "remote" / "requirements" / "cpu.txt").read_text()
     normal, nodeps = setup.split_requirements(cpu)
     for pin in ("torch==2.13.0", "speculators==0.3.0"):
         assert pin in normal
@@ -37,7 +37,7 @@ def test_setup_creates_venv_over_ssh_and_is_idempotent(sshd, tmp_path):
     profile = tmp_path / "remote"
     profile.mkdir()
     # a small real profile: one package with its deps, one without (typer's deps are click, rich, ...)
-    (profile / "requirements-cpu.txt").write_text("six==1.16.0\ntyper==0.24.0  # no-deps\n")
+    (profile / "cpu.txt").write_text("six==1.16.0\ntyper==0.24.0  # no-deps\n")
     venv = tmp_path / "hostenv"
     inv_path = write_inventory(tmp_path, {"h": sshd.entry(python=f"{venv}/bin/python", workdir=str(tmp_path / "wd"))})
     inv = load_inventory(inv_path)
@@ -63,7 +63,7 @@ def test_setup_creates_venv_over_ssh_and_is_idempotent(sshd, tmp_path):
 def test_failed_setup_is_one_line(sshd, tmp_path):
     profile = tmp_path / "remote"
     profile.mkdir()
-    (profile / "requirements-cpu.txt").write_text("this-package-does-not-exist-eh==0.0.1\n")
+    (profile / "cpu.txt").write_text("this-package-does-not-exist-eh==0.0.1\n")
     inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(python=f"{tmp_path}/v/bin/python",
                                                                    workdir=str(tmp_path / "wd"))}))
     with open_host(inv.hosts["h"], inv) as conn:

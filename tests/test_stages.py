@@ -79,7 +79,7 @@ def run_cli(site: Path, spec: dict, tmp: Path) -> subprocess.CompletedProcess:
     path = tmp / f"{spec['stage']}-spec.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "runstage", str(path)], cwd=REMOTE, env=env,
+    return subprocess.run([sys.executable, "-m", "runtime.runstage", str(path)], cwd=REMOTE, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -3,7 +3,7 @@
 Stage contract (every module here except ``common`` is a stage):
 
 * ``stages/<name>.py`` defines ``main(spec: dict) -> dict`` and runs as
-  ``python -m stages.<name> SPEC_JSON_PATH`` (or through ``python -m runstage SPEC_JSON_PATH``, which
+  ``python -m stages.<name> SPEC_JSON_PATH`` (or through ``python -m runtime.runstage SPEC_JSON_PATH``, which
   the runner uses and which saves the returned dict as ``<run_dir>/result.json``).
 * ``spec`` keys: ``run_id``, ``stage``, ``run_dir`` (outputs go to ``<run_dir>/artifacts/``),
   ``inputs`` (``{stage_name: artifacts dir of that stage's last successful run}``), ``model``

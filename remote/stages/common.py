@@ -15,8 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REMOTE_ROOT = Path(__file__).resolve().parent.parent  # the uploaded remote/ tree
-BUILTIN_DATA = REMOTE_ROOT / "data"
+BUILTIN_DATA = Path(__file__).resolve().parent / "data"  # the shipped prompt sets, in the code bundle
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Stage prepare: conversations -> chat-templated token ids with assistant-only loss masks.
 
-Reads ``pipeline.dataset`` (``builtin:<name>`` for ``remote/data/<name>.jsonl``, a local .jsonl/.json/
+Reads ``pipeline.dataset`` (``builtin:<name>`` for ``remote/stages/data/<name>.jsonl``, a local .jsonl/.json/
 .parquet file, or a hub dataset id with ``pipeline.dataset_split``), in ShareGPT form
 (``conversations: [{from, value}]``) or OpenAI form (``messages: [{role, content}]``). Shuffles with
 ``pipeline.seed`` and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout``

@@ -1,4 +1,4 @@
-"""Runs one stage of a run: ``python -m runstage <run_dir>/spec.json``, with the uploaded code as cwd.
+"""Runs one stage of a run: ``python -m runtime.runstage <run_dir>/spec.json``, with the uploaded code as cwd.
 
 Why a separate entry point rather than ``python -m stages.<name>``: every stage then gets the same
 contract for free -- ``stages.<name>.main(spec) -> dict``, its dict saved as ``<run_dir>/result.json``
@@ -18,7 +18,7 @@ import traceback
 
 def main(argv):
     if len(argv) != 2:
-        print("usage: python -m runstage RUN_DIR/spec.json", file=sys.stderr)
+        print("usage: python -m runtime.runstage RUN_DIR/spec.json", file=sys.stderr)
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
