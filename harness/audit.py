@@ -1,24 +1,21 @@
-"""``inv audit``: one probe per host, in parallel, turned into checks and a report.
+"""``inv audit``: one probe per host, in parallel, turned into checks.
 
-The facts come from ``remote/tools/probe.py`` (one SSH round trip per host after the handshake); this module
-only decides what they mean (``checks``) and how to show them (a rich table, or JSON).
+The facts come from ``remote/tools/probe.py`` (one SSH round trip per host after the handshake); the
+same probe call carries the patch series and the vLLM API preflight, so each patch's state is part
+of the audit. This module only decides what the facts mean (``checks_for``); the CLI shows them.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
+from harness import patches
 from harness.connection import open_host
+from harness.errors import HarnessError
 from harness.inventory import HostSpec, Inventory
-from harness.parallel import HostFailure, on_hosts
-
-#: hooks that add to the probe spec and to the checks (the patch issue registers one); each is
-#: ``(extend_spec(inv, host, spec) -> modules, checks(host, facts) -> list[Check])``
-EXTENSIONS: list[tuple[Callable[..., list[str]], Callable[..., list["Check"]]]] = []
+from harness.parallel import on_hosts
+from harness.results import HostFailure, HostResults
 
 
 @dataclass
@@ -32,14 +29,15 @@ class Check:
 
 
 def probe_host(inv: Inventory, host: HostSpec, timeout: float = 10) -> dict[str, Any]:
-    """Connect, run the probe (with any extension modules) and return the facts with their checks."""
+    """Connect, run the probe (with the patch status and API preflight) and return the facts with
+    their checks."""
     spec: dict[str, Any] = {"workdir": host.workdir}
-    modules: list[str] = []
-    for extend, _ in EXTENSIONS:
-        modules += extend(inv, host, spec)
+    modules = _add_patch_checks(host, spec)
     with open_host(host, inv, timeout=timeout) as conn:
         facts = conn.run_script("probe", spec, modules=modules)
         facts["round_trips"] = conn.round_trips
+    if spec.get("patches_error"):  # a series.yaml that does not load: say so rather than show no patches
+        facts["patches"] = {"ok": False, "state": "bad series", "error": spec["patches_error"]}
     facts["checks"] = [c.as_dict() for c in checks_for(host, facts)]
     return facts
 
@@ -71,55 +69,79 @@ def checks_for(host: HostSpec, facts: dict[str, Any]) -> list[Check]:
             out.append(Check("speculators files", "pass", f"{drift['checked']} files match pip's RECORD"))
     free = facts["disk"]["free_bytes"]
     out.append(Check("free disk", "pass" if free > 10 * 2**30 else "warn", f"{free / 2**30:.1f} GiB free at {facts['disk']['path']}"))
-    for _, extra_checks in EXTENSIONS:
-        out += extra_checks(host, facts)
-    return out
+    return out + _patch_checks(facts)
 
 
-def run_audit(inv: Inventory, hosts: list[HostSpec], workers: int = 8, timeout: float = 10) -> dict[str, dict | HostFailure]:
+def run_audit(inv: Inventory, hosts: list[HostSpec], workers: int = 8, timeout: float = 10) -> HostResults:
     return on_hosts(hosts, lambda h: probe_host(inv, h, timeout), workers=workers)
 
 
-def as_json(results: dict[str, dict | HostFailure]) -> dict:
+def as_json(results: HostResults) -> dict:
     return {"hosts": {name: (r.as_dict() | {"reachable": False}) if isinstance(r, HostFailure) else (r | {"reachable": True})
                       for name, r in results.items()}}
 
 
-def failed(results: dict[str, dict | HostFailure]) -> list[str]:
+def strict_failures(results: HostResults) -> list[str]:
     """Hosts that make ``--strict`` fail: unreachable, or any check failed."""
-    bad = []
-    for name, r in results.items():
-        if isinstance(r, HostFailure) or any(c["status"] == "fail" for c in r["checks"]):
-            bad.append(name)
-    return bad
+    return [name for name, r in results.items()
+            if isinstance(r, HostFailure) or any(c["status"] == "fail" for c in r["checks"])]
 
 
-_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+# ------------------------------------------------------------------------------------------------
+# the patch states and the vLLM API preflight, in the same probe round trip
+
+_PAYLOAD: dict[tuple, dict[str, Any]] = {}
+_PAYLOAD_LOCK = threading.Lock()
 
 
-def render(results: dict[str, dict | HostFailure], console: Console) -> None:
-    for name, r in results.items():
-        if isinstance(r, HostFailure):
-            console.print(f"[bold red]{name}: {r.kind}[/] {escape(r.message)}", soft_wrap=True)
-            continue
-        s, pk = r["system"], r["packages"]
-        t = Table(title=f"{name}  ({s['hostname']}, {s['os']}, kernel {s['kernel']}, python {s['python']})",
-                  title_justify="left", show_header=True, header_style="bold")
-        t.add_column("fact")
-        t.add_column("value", overflow="fold")
-        t.add_row("python", s["python_path"])
-        t.add_row("packages", "  ".join(f"{k} {v or '-'}" for k, v in pk.items()))
-        t.add_row("speculators at", r.get("speculators_path") or "-")
-        gpus = r.get("gpus")
-        if gpus is None:
-            t.add_row("GPUs", "no GPU (nvidia-smi not found)")
+def _patch_payload() -> dict[str, Any]:
+    """``patches.build_payload()`` once per audit, not once per host (YAML + validation cost ~20 ms
+    each): kept for as long as no file of the series changes (size and mtime)."""
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                for d in patches.series_dirs() for f in sorted(d.iterdir()))
+    with _PAYLOAD_LOCK:
+        if key not in _PAYLOAD:
+            _PAYLOAD.clear()
+            _PAYLOAD[key] = patches.build_payload()
+        return _PAYLOAD[key]
+
+
+def _add_patch_checks(host: HostSpec, spec: dict) -> list[str]:
+    """Add the patch status and the API preflight to the probe's spec; returns the modules to ship."""
+    try:
+        payload = _patch_payload()
+    except HarnessError as e:
+        spec["patches"] = None
+        spec["patches_error"] = str(e)
+        return []
+    spec["patches"] = patches.host_spec(host, "status", payload)
+    spec["apicheck"] = {"fixes": patches.api_fixes(payload)}
+    return ["patchstate", "apicheck"]  # the read-only part of remote/tools/patchtool.py is all the probe needs
+
+
+def _patch_checks(facts: dict) -> list[Check]:
+    out = []
+    st = facts.get("patches")
+    if st:
+        if not st.get("ok"):
+            out.append(Check("patches", "fail" if st.get("state") == "version mismatch" else "warn",
+                             st.get("error", "?")))
         else:
-            for g in gpus:
-                procs = ", ".join(f"{p['pid']} {p['name']}" for p in g["processes"]) or "idle"
-                t.add_row(f"GPU {g['index']}", f"{g['name']}  {g['memory_used_mib']}/{g['memory_total_mib']} MiB  "
-                                                f"driver {g['driver']}  [{procs}]")
-        t.add_row("vLLM servers", ", ".join(f"pid {v['pid']} port {v['port']} {v['model'] or ''}" for v in r["vllm_servers"]) or "none")
-        t.add_row("NCCL/VLLM env", " ".join(f"{k}={v}" for k, v in r["env"].items()) or "none set")
-        for c in r["checks"]:
-            t.add_row(f"check: {c['name']}", f"[{_STYLE[c['status']]}]{c['status']}[/] {c['detail']}")
-        console.print(t)
+            for p in st["patches"]:
+                state = p["state"]
+                level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
+                out.append(Check(f"patch {p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
+    api = facts.get("apicheck")
+    if api:
+        if api.get("error"):
+            out.append(Check("vLLM API preflight", "warn", api["error"]))
+        elif api.get("skipped"):
+            out.append(Check("vLLM API preflight", "pass", api["skipped"]))
+        elif api["mismatches"]:
+            first = api["mismatches"][0]
+            out.append(Check("vLLM API preflight", "fail",
+                             f"{len(api['mismatches'])} mismatches with vLLM {api['vllm']}, e.g. {first['where']}: "
+                             f"{first['problem']}" + (f" (fixed by {first['fixed_by']})" if first.get("fixed_by") else "")))
+        else:
+            out.append(Check("vLLM API preflight", "pass", f"{api['calls_checked']} vLLM calls match vLLM {api['vllm']}"))
+    return out

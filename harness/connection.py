@@ -11,7 +11,7 @@ channel whose stdin is written in one ``sendall`` — a whole script reaches the
 * ``run_script(entry, spec, modules=())`` — ship ``remote/tools/<entry>.py`` (plus helper modules and what
   ``REMOTE_DEPS`` says they import) and a JSON spec over stdin to the host's python, call
   ``main(spec)`` there, return its dict;
-* ``put(local, remote)``, ``ssh_argv()`` (for rsync ``-e``), ``close()``.
+* ``ssh_argv()`` (for rsync ``-e``), ``close()``.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import fabric
 import paramiko
 
 from harness import TOOLS_DIR
-from harness.errors import HarnessError, HostKeyError, HostUnreachable
+from harness.errors import HarnessError, HostKeyError, HostUnreachable, RemoteError
 from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
 
 CONNECT_TIMEOUT = 10
@@ -65,7 +65,9 @@ def with_deps(names: Iterable[str]) -> list[str]:
 
 # Reads {"modules": {name: source}, "entry": name, "spec": {...}} from stdin, makes the modules
 # importable by name (a sys.meta_path finder ahead of the host's own), imports the entry, calls its
-# main(spec) and prints {"ok", "result" | "error"} as JSON on stdout. A module is compiled only when
+# main(spec) and prints {"ok": true, "result"} or {"ok": false, "kind", "error"} as JSON on stdout: an
+# exception whose ``kind`` attribute is a string (e.g. runctl's Refused) is a refusal of that kind,
+# SystemExit is a "refused", anything else an "exception" (with its traceback). A module is compiled only when
 # something imports it (compiling is ~0.3 ms per KB of source on a host's CPU): the audit ships the
 # vLLM API check to every host, but a host without vLLM never needs it.
 _BOOTSTRAP = r"""
@@ -93,10 +95,14 @@ out = sys.stdout; sys.stdout = sys.stderr
 try:
     r = {"ok": True, "result": __import__(d["entry"]).main(d["spec"])}
 except SystemExit as e:
-    r = {"ok": False, "error": str(e.code) if not isinstance(e.code, int) else "exit %d" % e.code}
+    r = {"ok": False, "kind": "refused", "error": str(e.code) if not isinstance(e.code, int) else "exit %d" % e.code}
 except BaseException as e:
-    import traceback
-    r = {"ok": False, "error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()}
+    if isinstance(getattr(e, "kind", None), str):
+        r = {"ok": False, "kind": e.kind, "error": str(e)}
+    else:
+        import traceback
+        r = {"ok": False, "kind": "exception", "error": "%s: %s" % (type(e).__name__, e),
+             "traceback": traceback.format_exc()}
 out.write(json.dumps(r)); out.flush()
 """
 
@@ -106,10 +112,6 @@ class ExecResult:
     rc: int
     stdout: str
     stderr: str
-
-    @property
-    def ok(self) -> bool:
-        return self.rc == 0
 
 
 def shell_path(path: str) -> str:
@@ -459,28 +461,22 @@ class HostConnection:
             reply = json.loads(res.stdout)
         except json.JSONDecodeError:
             tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            if res.rc == 127 or "No such file" in tail or "not found" in tail:
+            if res.rc == -1:  # the channel closed without an exit status: the link, not the script
+                raise HostUnreachable(f"host {self.name}: connection lost while remote/tools/{entry}.py ran")
+            if res.rc in (126, 127):  # the shell's own codes: command not found / not executable
                 raise HarnessError(
                     f"host {self.name}: python interpreter {self.host.python!r} not found on the host "
-                    f"({tail}); fix 'python' in the inventory or run inv setup")
-            raise HarnessError(f"host {self.name}: remote/tools/{entry}.py failed (exit {res.rc}): {tail}")
+                    f"({tail}); fix 'python' in the inventory or run inv setup", kind="no python")
+            raise RemoteError(f"host {self.name}: remote/tools/{entry}.py failed (exit {res.rc}): {tail}",
+                              kind="exception")
         if not reply.get("ok"):
-            raise HarnessError(f"host {self.name}: {entry}: {reply.get('error')}")
+            kind = reply.get("kind") or "exception"
+            # a refusal is the host's one line; a crash also says which script crashed
+            where = f"{entry}: " if kind == "exception" else ""
+            raise RemoteError(f"host {self.name}: {where}{reply.get('error')}", kind=kind)
         return reply["result"]
 
     # -- files -------------------------------------------------------------------------------------
-    def put(self, local: str | os.PathLike, remote: str) -> None:
-        """Copy one file to the host (SFTP; a local copy for transport local)."""
-        self.round_trips += 1
-        if self.host.is_local:
-            dst = Path(os.path.expanduser(remote))
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(Path(local).read_bytes())
-            return
-        if remote.startswith("~/"):
-            remote = remote[2:]  # SFTP paths are relative to the login directory
-        self.fabric.put(str(local), remote)
-
     def ssh_argv(self, known_hosts_file: str | None = None) -> list[str]:
         """An OpenSSH command line with this host's settings (for ``rsync -e``): same port, key,
         user, verified host keys (``StrictHostKeyChecking yes``) and jump host.

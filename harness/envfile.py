@@ -232,7 +232,8 @@ class Problem:
         return f"host {self.host}: {self.name}{where}: {self.message}"
 
     def as_dict(self) -> dict:
-        return {"host": self.host, "name": self.name, "message": self.message, "origin": self.origin}
+        return {"host": self.host, "name": self.name, "message": self.message, "origin": self.origin,
+                "line": str(self)}
 
 
 @lru_cache(maxsize=4)
@@ -316,29 +317,14 @@ def lint_env(envfile: EnvFile, facts: dict | None = None, gpus: int | None = Non
     return problems
 
 
-_FACTS_CMD = r"""
-printf '{"interfaces": ['; first=1
-for i in $(ls /sys/class/net 2>/dev/null); do [ $first = 1 ] || printf ', '; printf '"%s"' "$i"; first=0; done
-printf '], "gpus": '
-if command -v nvidia-smi >/dev/null 2>&1; then n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); printf '%s' "$n"; else printf 'null'; fi
-printf ', "files": {'; first=1
-for f in "$@"; do [ $first = 1 ] || printf ', '; if [ -e "$f" ]; then e=true; else e=false; fi; printf '"%s": %s' "$f" "$e"; first=0; done
-printf '}}\n'
-"""
-
-
 def host_facts(conn, envfile: EnvFile | None = None) -> dict:
-    """The facts ``lint_env`` checks values against, gathered in one round trip: network interfaces,
-    GPU count (nvidia-smi; null when it is absent) and whether the env's host-side files exist."""
+    """The facts ``lint_env`` checks values against, from the probe in one round trip: network
+    interfaces, the GPUs (``gpus``: their count, None without nvidia-smi) and whether the env's
+    host-side files exist."""
     paths = [envfile.values[n] for n in _HOST_FILES if envfile and envfile.values.get(n)]
-    paths = [p for p in paths if re.fullmatch(r"[\w./~+-]+", p)]  # only plain paths go into JSON keys
-    cmd = "bash -c " + shlex.quote(_FACTS_CMD) + " facts " + " ".join(shlex.quote(p) for p in paths)
-    res = conn.exec(cmd)
-    try:
-        return json.loads(res.stdout)
-    except json.JSONDecodeError:
-        raise HarnessError(f"host {conn.name}: could not read host facts for env.lint: "
-                           f"{(res.stderr.strip().splitlines() or ['no output'])[-1]}")
+    facts = conn.run_script("probe", {"only": ["interfaces", "gpus", "files"], "paths": paths})
+    facts["gpus"] = None if facts["gpus"] is None else len(facts["gpus"])
+    return facts
 
 
 def diff_env(old_text: str | None, new: EnvFile, old_label: str, new_label: str,

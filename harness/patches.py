@@ -1,5 +1,6 @@
 """The patch lifecycle, control-plane side: read and validate ``patches/<package>/<version>/series.yaml``,
-send the series to ``remote/tools/patchtool.py`` on each host (one round trip per host per op), show results.
+send the series to ``remote/tools/patchtool.py`` on each host (one round trip per host per op), return
+the results (the CLI shows them).
 
 Why the host gets every version's series at once: the installed version is only known there, and
 asking first would cost a second round trip. The series are a few kilobytes.
@@ -7,7 +8,7 @@ asking first would cost a second round trip. The series are a few kilobytes.
 Also the maintainer's tool that (re)computes a series' sha256 values from the PyPI wheel, so that no
 hash is ever typed by hand::
 
-    python -m harness.patches refresh speculators 0.3.0 [--wheel PATH]
+    inv patch.refresh speculators 0.3.0 [--wheel PATH]
 """
 from __future__ import annotations
 
@@ -16,21 +17,19 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from rich.console import Console
-from rich.markup import escape
-from rich.syntax import Syntax
-from rich.table import Table
-
-from harness import PATCHES_DIR
+from harness import PATCHES_DIR, TOOLS_DIR
+from harness.connection import REMOTE_DEPS, open_host
+from harness.errors import HarnessError, HostUnreachable
 from harness.inventory import line_of as yaml_line_of
-from harness.errors import HarnessError
+from harness.parallel import on_hosts
+from harness.results import HostResults
 
 WHEEL_CACHE = Path("~/.cache/eagle-harness/wheels").expanduser()
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -66,7 +65,7 @@ class FileHashes(_Strict):
     @classmethod
     def _hex(cls, v: str) -> str:
         if not _HEX.match(v):
-            raise ValueError("expected a sha256 in hex (64 characters); run: python -m harness.patches refresh")
+            raise ValueError("expected a sha256 in hex (64 characters); run: inv patch.refresh")
         return v
 
 
@@ -145,7 +144,7 @@ def build_payload(package: str = "speculators", root: Path | None = None, comple
         for p in series.patches:
             if complete and not p.files:
                 raise HarnessError(f"{d / 'series.yaml'}: patch {p.file} has no file hashes; run: "
-                                   f"python -m harness.patches refresh {package} {series.version}")
+                                   f"inv patch.refresh {package} {series.version}")
             patches.append({
                 "name": p.name, "title": p.title, "why": p.why, "conditions": p.conditions,
                 "fixes_api": p.fixes_api,
@@ -170,9 +169,6 @@ def api_fixes(payload: dict[str, Any]) -> dict[str, dict[str, str]]:
 def load_remote(name: str):
     """Import a stdlib module of remote/ by path (it is shipped to hosts, not installed here)."""
     import importlib.util
-
-    from harness import TOOLS_DIR
-    from harness.connection import REMOTE_DEPS
 
     for dep in REMOTE_DEPS.get(name, ()):  # the helpers it imports by their plain name, as on a host
         sys.modules.setdefault(dep, load_remote(dep))
@@ -257,162 +253,58 @@ def host_spec(host, op: str, payload: dict[str, Any] | None = None, **extra) -> 
             "workdir": host.workdir, "facts": {"profile": host.profile}, **extra}
 
 
-def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> dict[str, Any]:
+def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> HostResults:
     """Run patchtool ``op`` on every host in parallel: one SSH round trip per host.
 
-    ``root`` is another patches/ tree (tests); ``extra`` goes into the spec (force, reinstall...)."""
-    from harness.connection import open_host
-    from harness.parallel import on_hosts
-
+    A host's refusal (version mismatch, a drifted file, a hunk that does not apply) is a
+    ``HostFailure`` whose kind is patchtool's state. ``root`` is another patches/ tree (tests);
+    ``extra`` goes into the spec (force, reinstall...)."""
     payload = build_payload(root=root)
 
     def one(host):
         spec = host_spec(host, op, payload, **extra)
-        with open_host(host, inv) as conn:
-            try:
+        try:
+            with open_host(host, inv) as conn:
                 result = conn.run_script("patchtool", spec)
-            except HarnessError as e:
-                if op not in ("apply", "rollback"):
-                    raise
-                # no answer: the host finishes (or discards) the transaction on its own, journal-backed
-                raise HarnessError(f"{e}; no result came back (link dropped?): the host completes the {op} "
-                                   "on its own or the next call does; check with inv patch.status")
-            result["round_trips"] = conn.round_trips
+                result["round_trips"] = conn.round_trips
+        except HostUnreachable as e:
+            if op not in ("apply", "rollback"):
+                raise
+            raise HostUnreachable(f"{e}; {after_drop(inv, host, op, payload)}") from None
+        if not result.get("ok"):
+            raise HarnessError(f"host {host.name}: {result.get('error')}", kind=result.get("state") or "refused")
         return result
 
     return on_hosts(hosts, one, workers=workers)
 
 
-def failures(results: dict[str, Any]) -> list[str]:
-    """Hosts whose op failed (unreachable, refused, version mismatch)."""
-    from harness.parallel import HostFailure
-
-    return [h for h, r in results.items() if isinstance(r, HostFailure) or not r.get("ok")]
-
-
-def as_json(results: dict[str, Any]) -> dict[str, Any]:
-    from harness.parallel import HostFailure
-
-    return {h: ({"ok": False, "state": r.kind, "error": r.message} if isinstance(r, HostFailure) else r)
-            for h, r in results.items()}
-
-
-_STYLE = {"applied": "green", "not needed": "dim", "pristine": "yellow", "applied by hand": "cyan",
-          "drifted": "red", "version mismatch": "red"}
-
-
-def render(results: dict[str, Any], console: Console, op: str) -> None:
-    """A table per host for status; one line per host for apply/rollback; the diff for a dry run."""
-    from harness.parallel import HostFailure
-
-    for host, r in results.items():
-        if isinstance(r, HostFailure):
-            console.print(f"[red]{escape(host)}: {escape(r.kind)}: {escape(r.message)}[/red]")
-            continue
-        if not r.get("ok"):
-            console.print(f"[red]{escape(host)}: {escape(r.get('state', 'refused'))}: {escape(r.get('error', ''))}[/red]")
-            continue
-        if op == "plan":
-            console.print(f"[bold]{escape(host)}[/bold]: {escape(r['message'])}")
-            if r.get("diff"):
-                console.print(Syntax(r["diff"], "diff", theme="ansi_dark", word_wrap=True))
-            continue
-        if op in ("apply", "rollback"):
-            extra = f" (also {r['recovered']})" if r.get("recovered") else ""
-            console.print(f"[bold]{escape(host)}[/bold]: {escape(r['message'])}{escape(extra)}")
-            continue
-        table = Table(title=f"{host}: speculators {r['installed']} ({r['site']})", title_justify="left")
-        table.add_column("patch", no_wrap=True)
-        table.add_column("fixes")
-        table.add_column("state", no_wrap=True)
-        table.add_column("detail")
-        for p in r["patches"]:
-            style = _STYLE.get(p["state"], "")
-            state = f"[{style}]{escape(p['state'])}[/{style}]" if style else escape(p["state"])
-            table.add_row(escape(p["name"][:4]), escape(p["title"]), state, escape(p["detail"]))
-        console.print(table)
-        if r.get("busy"):
-            console.print(f"[yellow]{escape(host)}: a patch operation is running there now (pid {escape(str(r['busy']))})[/yellow]")
-        if r.get("interrupted"):
-            console.print(f"[yellow]{escape(host)}: an interrupted {escape(r['interrupted'])} is pending; "
-                          "the next patch.apply or patch.rollback completes it[/yellow]")
-
-
-# ------------------------------------------------------------------------------------------------
-# the audit's view: patch states and the vLLM API preflight, in the same probe round trip
-
-_AUDIT_PAYLOAD: dict[tuple, dict[str, Any]] = {}
-_AUDIT_LOCK = threading.Lock()
-
-
-def _audit_payload() -> dict[str, Any]:
-    """``build_payload()`` once per audit, not once per host (YAML + validation cost ~20 ms each):
-    kept for as long as no file of the series changes (size and mtime)."""
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in series_dirs() for f in sorted(d.iterdir()))
-    with _AUDIT_LOCK:
-        if key not in _AUDIT_PAYLOAD:
-            _AUDIT_PAYLOAD.clear()
-            _AUDIT_PAYLOAD[key] = build_payload()
-        return _AUDIT_PAYLOAD[key]
-
-
-def audit_extend(inv, host, spec: dict) -> list[str]:
-    """Add the patch status and the API preflight to the probe's spec; returns the modules to ship."""
+def after_drop(inv, host, op: str, payload: dict[str, Any], wait_s: float = 15.0) -> str:
+    """What became of an apply or rollback whose answer was lost with the link: reconnect, read the
+    patch states and say it, e.g. "the apply had not started: the files are unchanged". While the
+    host still runs it (its lock is held), wait up to ``wait_s`` for the outcome. The transaction
+    itself never depended on the link."""
+    deadline = time.monotonic() + wait_s
     try:
-        payload = _audit_payload()
+        with open_host(host, inv) as conn:
+            while True:
+                st = conn.run_script("patchtool", host_spec(host, "status", payload))
+                if not (st.get("ok") and st.get("busy")) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
     except HarnessError as e:
-        spec["patches"] = None
-        spec["patches_error"] = str(e)
-        return []
-    spec["patches"] = host_spec(host, "status", payload)
-    spec["apicheck"] = {"fixes": api_fixes(payload)}
-    return ["patchstate", "apicheck"]  # the read-only part of remote/tools/patchtool.py is all the probe needs
-
-
-def audit_checks(host, facts: dict) -> list:
-    from harness.audit import Check
-
-    out = []
-    st = facts.get("patches")
-    if st:
-        if not st.get("ok"):
-            out.append(Check("patches", "fail" if st.get("state") == "version mismatch" else "warn",
-                             st.get("error", "?")))
-        else:
-            for p in st["patches"]:
-                state = p["state"]
-                level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
-                out.append(Check(f"patch {p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
-    api = facts.get("apicheck")
-    if api:
-        if api.get("error"):
-            out.append(Check("vLLM API preflight", "warn", api["error"]))
-        elif api.get("skipped"):
-            out.append(Check("vLLM API preflight", "pass", api["skipped"]))
-        elif api["mismatches"]:
-            first = api["mismatches"][0]
-            out.append(Check("vLLM API preflight", "fail",
-                             f"{len(api['mismatches'])} mismatches with vLLM {api['vllm']}, e.g. {first['where']}: "
-                             f"{first['problem']}" + (f" (fixed by {first['fixed_by']})" if first.get("fixed_by") else "")))
-        else:
-            out.append(Check("vLLM API preflight", "pass", f"{api['calls_checked']} vLLM calls match vLLM {api['vllm']}"))
-    return out
-
-
-def register_audit_extension() -> None:
-    from harness import audit
-
-    if (audit_extend, audit_checks) not in audit.EXTENSIONS:
-        audit.EXTENSIONS.append((audit_extend, audit_checks))
-
-
-if __name__ == "__main__":
-    args = sys.argv[1:]
-    if len(args) >= 3 and args[0] == "refresh":
-        wheel = Path(args[args.index("--wheel") + 1]) if "--wheel" in args else None
-        try:
-            print(refresh(args[1], args[2], wheel))
-        except HarnessError as e:
-            sys.exit(f"error: {e}")
-    else:
-        sys.exit("usage: python -m harness.patches refresh PACKAGE VERSION [--wheel PATH]")
+        return f"could not reconnect to see what became of the {op} ({e}); check with inv patch.status"
+    if not st.get("ok"):
+        return f"the {op}'s outcome is unknown: {st.get('error')}; check with inv patch.status"
+    if st.get("busy"):
+        return f"the {op} is still running on the host (pid {st['busy']}); check with inv patch.status"
+    if st.get("interrupted"):
+        return (f"the {st['interrupted']} was interrupted on the host mid-way; the next patch.apply or "
+                "patch.rollback completes it")
+    states = {p["state"] for p in st["patches"] if p["state"] != "not needed"}
+    done, untouched = ({"applied"}, {"pristine"}) if op == "apply" else ({"pristine"}, {"applied"})
+    n = sum(1 for p in st["patches"] if p["state"] != "not needed")
+    if states <= done:
+        return f"the {op} completed on the host before the link dropped ({n} patch(es) {'applied' if op == 'apply' else 'rolled back'})"
+    if states <= untouched:
+        return f"the {op} had not started: the files are unchanged; run it again"
+    return f"the host's patches are now {', '.join(sorted(states))}; see inv patch.status"

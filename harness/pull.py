@@ -26,12 +26,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 import paramiko
 
 from harness.connection import HostConnection
 from harness.errors import HarnessError
-from harness.runs import FINAL, _runctl, check_run_id, local_runs_dir
+from harness.runs import FINAL, check_run_id, local_runs_dir, runctl
 
 CHUNK = 4 << 20
 METHODS = ("auto", "rsync", "sftp", "local")
@@ -65,28 +66,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-class _Bar:
-    """A rich bar with bytes done, total and rate (or nothing, when progress is off)."""
+class _Meter:
+    """Bytes done so far, reported to ``on_progress(done, total)`` (the CLI draws the bar), and the
+    size of each read: one place for both, handed to every fetcher."""
 
-    def __init__(self, label: str, total: int, show: bool, console=None):
-        self.p = None
-        if show:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            self.p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                              TransferSpeedColumn(), TimeRemainingColumn(),
-                              console=console or Console(stderr=True), transient=False)
-            self.p.__enter__()
-            self.t = self.p.add_task(label, total=total)
+    def __init__(self, total: int, on_progress: Callable[[int, int], None] | None, chunk: int):
+        self.total, self.on_progress, self.chunk = total, on_progress, chunk
 
     def set(self, done: int) -> None:
-        if self.p:
-            self.p.update(self.t, completed=done)
-
-    def close(self) -> None:
-        if self.p:
-            self.p.__exit__(None, None, None)
+        if self.on_progress:
+            self.on_progress(done, self.total)
 
 
 def check_method(conn: HostConnection, method: str) -> None:
@@ -120,16 +109,17 @@ def _select(files: dict, result: dict | None, include_all: bool, include: tuple[
 
 
 def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, include_all: bool = False,
-         include: tuple[str, ...] = (), progress: bool = True, console=None, method: str = "auto",
-         bwlimit_kbps: int | None = None) -> PullResult:
+         include: tuple[str, ...] = (), method: str = "auto", bwlimit_kbps: int | None = None,
+         on_progress: Callable[[int, int], None] | None = None, chunk: int = CHUNK) -> PullResult:
     """Pull run ``run_id``'s artifacts into ``dest`` (default ``runs/<run-id>/``), verified.
 
     ``method``: ``auto`` (rsync when the host and this machine have it, else SFTP), ``rsync``, ``sftp``.
-    Raises ``HarnessError`` naming the file when a checksum does not match."""
+    ``on_progress(done, total)`` hears the bytes as they come; ``chunk`` is the size of each read
+    (SFTP, local copy, hashing). Raises ``HarnessError`` naming the file when a checksum does not match."""
     check_run_id(run_id)
     check_method(conn, method)
     t0 = time.monotonic()
-    man = _runctl(conn, "manifest", run_id=run_id)
+    man = runctl(conn, "manifest", run_id=run_id)
     st = man["status"]
     if st.get("state") not in FINAL:
         raise HarnessError(f"host {conn.name}: run {run_id} is {st.get('state')}; pull it once it has finished")
@@ -156,17 +146,14 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
         method = "local" if conn.host.is_local else (
             "rsync" if man.get("has_rsync") and shutil.which("rsync") else "sftp")
     total = sum(files[r]["size"] for r in todo)
-    bar = _Bar(f"{conn.name} {run_id}", total, progress and bool(todo), console)
+    bar = _Meter(total, on_progress if todo else None, chunk)
     res = PullResult(conn.name, run_id, dest, method, files=take, left_on_host=leave,
                      bytes=sum(files[r]["size"] for r in take), result=man.get("result"))
-    try:
-        if todo:
-            fetch = {"rsync": _rsync, "sftp": _sftp, "local": _local}[method]
-            digests: dict = {}
-            res.transferred = fetch(conn, man["artifacts"], todo, files, staging, bar, bwlimit_kbps, digests)
-        bad = _verify_and_place(todo, files, staging, dest, digests if todo else None)
-    finally:
-        bar.close()
+    if todo:
+        fetch = {"rsync": _rsync, "sftp": _sftp, "local": _local}[method]
+        digests: dict = {}
+        res.transferred = fetch(conn, man["artifacts"], todo, files, staging, bar, bwlimit_kbps, digests)
+    bad = _verify_and_place(todo, files, staging, dest, digests if todo else None)
     for name, data in (("result.json", man.get("result")), ("status.json", st)):
         if data is not None:
             (dest / name).write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -281,7 +268,7 @@ def _ssh_e(conn, known_hosts: str) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def _rsync(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, digests: dict) -> int:
+def _rsync(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, digests: dict) -> int:
     """rsync over ``ssh_argv()`` into the staging dir, in place. A partial file left by an interrupted
     pull continues with --append-verify (rsync then checks the whole file's checksum); a new file
     goes with --whole-file (no delta search: there is no older version of an artifact to diff
@@ -308,7 +295,7 @@ def _rsync(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, dig
     return moved
 
 
-def _rsync_run(conn, ssh: str, remote_dir: str, rels: list[str], staging: Path, bar: _Bar, bwlimit,
+def _rsync_run(conn, ssh: str, remote_dir: str, rels: list[str], staging: Path, bar: _Meter, bwlimit,
                mode: list[str], base: int) -> tuple[int, bool]:
     argv = ["rsync", "-s", "--inplace", *mode, "--no-compress", "--times", "--stats", "--info=progress2",
             "--no-inc-recursive", "--files-from=-", "-e", ssh]
@@ -355,7 +342,7 @@ def _resume_hasher(local: Path, size: int):
     return h, offset
 
 
-def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Bar, done: int,
+def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Meter, done: int,
                    digests: dict) -> tuple[int, int]:
     """Copy one file into ``staging`` from where its partial ends, hashing as it goes (the hash
     continues over the partial already there). ``open_src(offset)`` gives a readable positioned at
@@ -367,7 +354,7 @@ def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Bar, done
     moved = 0
     with open_src(offset) as rf, open(local, "ab") as lf:
         while offset < size:
-            data = rf.read(min(CHUNK, size - offset))
+            data = rf.read(min(bar.chunk, size - offset))
             if not data:
                 break
             lf.write(data)
@@ -380,7 +367,7 @@ def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Bar, done
     return done, moved
 
 
-def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, digests: dict) -> int:
+def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, digests: dict) -> int:
     """SFTP with prefetch (many read requests in flight), resuming from the partial file's size. A
     link that drops mid-file is reported as such: the partial stays, and the next pull resumes it."""
     done = moved = 0
@@ -412,7 +399,7 @@ def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, dige
     return moved
 
 
-def _local(conn, remote_dir, todo, files, staging: Path, bar: _Bar, bwlimit, digests: dict) -> int:
+def _local(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, digests: dict) -> int:
     """transport local: a plain copy that resumes from the partial's size, like the others."""
     done = moved = 0
     for rel in todo:

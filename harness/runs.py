@@ -8,12 +8,13 @@ session; from then on the workstation only reads (status.json, run.log), and can
 Round trips: a launch whose code is already on the host is one ``run_script`` call; when the remote/
 tree changed, the host answers ``need_code`` and the second call carries the tree as a tar.
 
-API (what the pipeline calls)::
+API (harness/runner.py puts launch, follow, the checks and the pull together as one run path)::
 
     h = launch(conn, inv, "extract", run_id=None, inputs={"prepare": prep_run_id}, gpu=None)
-    st = follow(conn, h.run_id)          # live log + rich progress; returns the final status dict
-    st = run_stage(conn, inv, "extract", inputs=..., pull=True)   # launch + follow + check + pull
+    st = follow(conn, h.run_id, on_line=print)   # every log line as it comes; returns the final status
     status(conn, run_id), list_runs(conn), read_log(conn, run_id, offset), stop(conn, run_id)
+
+Nothing here prints: lines and progress reach the caller through callbacks (the CLI draws them).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Callable
 
 from harness import BUNDLE_DIRS, REMOTE_DIR, TEMPLATES_DIR, TOOLS_DIR
 from harness.connection import HostConnection, shell_path
-from harness.envfile import Masker, render_env, render_template, secret_values
+from harness.envfile import Masker, render_env, render_template
 from harness.errors import HarnessError, HostUnreachable
 from harness.inventory import HostSpec, Inventory
 
@@ -46,25 +47,6 @@ PROGRESS = "@@progress "
 def local_runs_dir() -> Path:
     """Where the workstation keeps what it knows of runs: log mirrors, follow offsets, pulled artifacts."""
     return Path(os.environ.get("HARNESS_RUNS_DIR", "runs"))
-
-
-def stages(code_root: Path | None = None) -> list[str]:
-    """Every stage module under remote/stages/ (what ``inv stage.<name>`` offers): a module with a
-    top-level ``main`` function; helpers (``common.py``) have none. Read with ast, never imported."""
-    import ast
-
-    d = (code_root or REMOTE_DIR) / "stages"
-    out = []
-    for p in sorted(d.glob("*.py")) if d.is_dir() else []:
-        if p.name.startswith("_"):
-            continue
-        try:
-            tree = ast.parse(p.read_text())
-        except SyntaxError:
-            continue
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            out.append(p.stem)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,17 +93,12 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def _runctl(conn: HostConnection, action: str, **spec) -> dict:
-    """One runctl action on the host. ``host`` lets its messages name the inventory's host (for the
-    command they suggest); a refusal reads "host H: <reason>", without the script's name."""
+def runctl(conn: HostConnection, action: str, **spec) -> dict:
+    """One runctl action on the host, one round trip. ``host`` lets its messages name the
+    inventory's host (for the command they suggest); a refusal raises ``RemoteError`` whose
+    ``kind`` is runctl's (``refused``, ``no_run``)."""
     spec = {"action": action, "workdir": conn.host.workdir, "host": conn.name, **spec}
-    try:
-        return conn.run_script("runctl", spec)
-    except HarnessError as e:
-        prefix = f"host {conn.name}: runctl: "
-        if str(e).startswith(prefix):
-            raise HarnessError(f"host {conn.name}: " + str(e)[len(prefix):]) from None
-        raise
+    return conn.run_script("runctl", spec)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,9 +170,9 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
                              secret_names=sorted(envf.secrets), poll_interval=poll_interval, lock_wait=lock_wait)
     req = {"run_id": run_id, "stage_spec": sspec, "inputs": inputs or {}, "spec_hash": spec_hash,
            "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s}
-    res = _runctl(conn, "launch", **req)
+    res = runctl(conn, "launch", **req)
     if res.get("need_code"):
-        res = _runctl(conn, "launch", **req, code_tar=base64.b64encode(tar).decode())
+        res = runctl(conn, "launch", **req, code_tar=base64.b64encode(tar).decode())
     st = res.get("status") or {}
     return Launch(host=host.name, run_id=run_id, launched=bool(res.get("launched")), status=st,
                   reason=res.get("reason", ""), code_uploaded=bool(res.get("code_uploaded")),
@@ -210,32 +187,43 @@ def status(conn: HostConnection, run_id: str, missing_ok: bool = False) -> dict:
     claims to be active but whose wrapper is gone reads as ``lost``. ``missing_ok``: an unknown run
     gives ``{"state": "absent"}`` instead of an error."""
     try:
-        return _runctl(conn, "status", run_id=check_run_id(run_id))
+        return runctl(conn, "status", run_id=check_run_id(run_id))
     except HarnessError as e:
-        if missing_ok and f"no run {run_id} " in str(e):
+        if missing_ok and e.kind == "no_run":
             return {"run_id": run_id, "state": "absent"}
         raise
 
 
 def list_runs(conn: HostConnection) -> list[dict]:
-    return _runctl(conn, "list")["runs"]
+    return runctl(conn, "list")["runs"]
 
 
 def read_log(conn: HostConnection, run_id: str, offset: int = 0, masker: Masker | None = None) -> tuple[str, int, dict]:
     """The log from byte ``offset`` to its current end: (text, new offset, status)."""
-    res = _runctl(conn, "logs", run_id=check_run_id(run_id), offset=offset)
+    res = runctl(conn, "logs", run_id=check_run_id(run_id), offset=offset)
     text = res["data"]
     return (masker(text) if masker else text), res["offset"], res["status"]
+
+
+def read_whole_log(conn: HostConnection, run_id: str, masker: Masker | None = None) -> dict:
+    """The run's whole log as it is now: ``{"log", "state", "exit_code"}`` (secrets masked)."""
+    offset, chunks = 0, []
+    while True:
+        text, new, st = read_log(conn, run_id, offset, masker)
+        chunks.append(text)
+        if new == offset or new >= st.get("log_size", 0):
+            return {"log": "".join(chunks), "state": st.get("state"), "exit_code": st.get("exit_code")}
+        offset = new
 
 
 def stop(conn: HostConnection, run_id: str, grace: float = 10.0) -> dict:
     """Stop the run's whole process group (TERM, then KILL after ``grace``); the wrapper survives to
     restore the service. Returns runctl's answer ({stopped, killed, status})."""
-    return _runctl(conn, "stop", run_id=check_run_id(run_id), grace=grace)
+    return runctl(conn, "stop", run_id=check_run_id(run_id), grace=grace)
 
 
 def last_env(conn: HostConnection) -> dict:
-    return _runctl(conn, "last_env")
+    return runctl(conn, "last_env")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,66 +270,26 @@ class FollowState:
         self.log.write_text("")
 
 
-class ProgressView:
-    """Turns a stage's ``@@progress`` lines into a rich progress bar and prints the other lines."""
-
-    def __init__(self, label: str, console=None, show: bool = True, echo: Callable[[str], None] | None = None):
-        self.label, self.show, self.echo = label, show, echo
-        self.console = console
-        self._progress = None
-        self._task = None
-
-    def __enter__(self):
-        if self.show:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-            self.console = self.console or Console(stderr=True, highlight=False)
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                      console=self.console, transient=False)
-            self._progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
-
-    def line(self, line: str) -> None:
-        if line.startswith(PROGRESS):
-            try:
-                p = json.loads(line[len(PROGRESS):])
-                done, total = p.get("done"), p.get("total")
-            except (ValueError, AttributeError):
-                p, done, total = None, None, None
-            if p is not None:
-                if self._progress is not None:
-                    if self._task is None:
-                        self._task = self._progress.add_task(self.label, total=total, unit=p.get("unit", ""))
-                    self._progress.update(self._task, completed=done, total=total, unit=p.get("unit", ""))
-                return
-        if self.echo:
-            self.echo(line)
-        elif self.show and self.console is not None:
-            from rich.markup import escape
-            style = "dim" if line.startswith("@@harness") else ""
-            self.console.print(f"[{style}]{escape(line)}[/]" if style else escape(line), soft_wrap=True)
+class Detached(KeyboardInterrupt):
+    """Ctrl-C while following: the run goes on on the host; the message says how to reattach."""
 
 
 def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] | None = None,
-           progress: bool = True, console=None, masker: Masker | None = None, base: Path | None = None,
+           masker: Masker | None = None, base: Path | None = None,
            reconnect_s: float = 60.0, max_s: float = 3600.0) -> dict:
     """Follow a run's log from where this workstation last left off until the run ends; returns the
-    final status. A dropped link is retried for ``reconnect_s`` seconds, then reported (the run goes
-    on; follow again to reattach). Ctrl-C detaches without stopping the run."""
+    final status. Every log line (``@@progress`` ones included) goes to ``on_line``, secrets
+    masked. A dropped link is retried for ``reconnect_s`` seconds, then reported (the run goes on;
+    follow again to reattach). Ctrl-C raises ``Detached``, which leaves the run running."""
     check_run_id(run_id)
     state = FollowState(run_id, conn.name, base)
     masker = masker or Masker()
     src = (TOOLS_DIR / "runctl.py").read_text()
     final: dict = {}
     pending = [""]
+    emit = on_line or (lambda line: None)
 
-    def handle(raw: str, view: ProgressView) -> None:
+    def handle(raw: str) -> None:
         try:
             msg = json.loads(raw)
         except ValueError:
@@ -354,26 +302,23 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
             lines = (pending[0] + text).split("\n")
             pending[0] = lines.pop()
             for line in lines:
-                view.line(line)
+                emit(line)
         if "end" in msg:
             final.update(msg["end"])
         if "error" in msg:
             raise HarnessError(f"host {conn.name}: {msg['error']}")
 
     try:
-        with ProgressView(f"{conn.name} {run_id}", console=console, show=progress, echo=on_line) as view:
-            _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, reconnect_s)
+        _follow_loop(conn, run_id, state, src, final, handle, max_s, reconnect_s)
     except KeyboardInterrupt:
-        from rich.console import Console
-        (console or Console(stderr=True)).print(
-            f"detached from run {run_id} on {conn.name}; it goes on on the host. Reattach with: "
-            f"inv runs.logs {run_id} --follow --hosts {conn.name}   (stop it with: inv runs.stop {run_id})",
-            highlight=False, soft_wrap=True)
-        raise
+        raise Detached(f"detached from run {run_id} on {conn.name}; it goes on on the host. Reattach with: "
+                       f"inv runs.logs {run_id} --follow --hosts {conn.name}   (stop it with: inv runs.stop {run_id})")
+    if pending[0]:
+        emit(pending[0])
     return final
 
 
-def _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, reconnect_s) -> None:
+def _follow_loop(conn, run_id, state, src, final, handle, max_s, reconnect_s) -> None:
     """One streaming ``runctl follow`` per connection; after a dropped link, reconnect and continue
     from the offset reached, for up to ``reconnect_s`` seconds."""
     lost_since = None
@@ -384,7 +329,7 @@ def _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, 
         cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
         try:
             res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
-                            on_stdout=lambda l: handle(l, view))
+                            on_stdout=handle)
             if res.rc == -1 and not final:  # the channel closed without an exit status: link lost
                 raise HostUnreachable(f"host {conn.name}: connection lost")
             lost_since = None
@@ -404,8 +349,6 @@ def _follow_loop(conn, run_id, state, src, final, handle, view, pending, max_s, 
                 conn.open()
             except HostUnreachable:
                 pass
-    if pending[0]:
-        view.line(pending[0])
 
 
 def describe_failure(st: dict) -> str:
@@ -417,28 +360,14 @@ def describe_failure(st: dict) -> str:
     return ": ".join(bits[:1]) + (" (" + "; ".join(bits[1:]) + ")" if len(bits) > 1 else "")
 
 
-def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: str | None = None,
-              inputs: dict[str, str] | None = None, extra: dict | None = None, gpu: bool | None = None,
-              progress: bool = True, console=None, pull: bool = False, dest: Path | None = None,
-              pull_all: bool = False, code_root: Path | None = None, environ: dict | None = None,
-              poll_interval: float = 2.0, on_line: Callable[[str], None] | None = None, lock_wait: int = 0) -> dict:
-    """Launch ``stage``, follow it to the end with live progress, raise ``HarnessError`` if it did not
-    succeed, optionally pull its artifacts; returns the final status plus ``result`` (result.json) and
-    ``pulled`` (the local directory) when pulled."""
-    h = launch(conn, inv, stage, run_id=run_id, inputs=inputs, extra=extra, gpu=gpu, code_root=code_root,
-               environ=environ, poll_interval=poll_interval, lock_wait=lock_wait)
-    masker = Masker(secret_values(inv, environ))
-    st = h.status if (not h.launched and h.status.get("state") in FINAL) else \
-        follow(conn, h.run_id, progress=progress, console=console, masker=masker, on_line=on_line)
-    if st.get("state") != "succeeded":
-        raise HarnessError(f"host {conn.name}: {describe_failure(st)}; see: inv runs.logs {h.run_id} --hosts {conn.name}")
-    if st.get("service", {}).get("healthy") is False:
-        raise HarnessError(f"host {conn.name}: run {h.run_id} succeeded but the service did not come back: "
-                           f"{st['service'].get('error')}")
-    out = dict(st)
-    if pull:
-        from harness.pull import pull as do_pull
-        res = do_pull(conn, h.run_id, dest=dest, include_all=pull_all, progress=progress, console=console)
-        out["pulled"] = str(res.dest)
-        out["result"] = res.result
+def parse_inputs(text: str | None) -> dict[str, str]:
+    """``prepare=RUN,vocab=RUN`` (the ``--inputs`` option) -> {stage: run id}."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        stage, sep, rid = item.partition("=")
+        if not sep or not stage.strip() or not rid.strip():
+            raise HarnessError(f"--inputs: {item!r} is not STAGE=RUN_ID")
+        out[stage.strip()] = check_run_id(rid.strip())
     return out

@@ -53,6 +53,8 @@ def main(spec):
     if spec.get("sleep"):
         time.sleep(float(spec["sleep"]))
     mark(spec, "stage-end")
+    if spec.get("refuse"):  # a user error, as the real stages give one (common.fail)
+        raise SystemExit("stage teststage: " + spec["refuse"])
     if spec.get("exit"):
         print("failing on purpose with exit code %d" % spec["exit"], flush=True)
         sys.exit(int(spec["exit"]))
@@ -73,18 +75,33 @@ def code_root(tmp: Path) -> Path:
 
 FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
 # Stand-in for NVIDIA's nvidia-smi on a test host that has no GPU. It is a real executable that
-# answers the two queries the harness makes, in nvidia-smi's own output formats, from a state file
-# listing the PIDs that hold a GPU (the stand-in vLLM service writes its PID there when it starts
-# and removes it when it stops):
-#   nvidia-smi --query-compute-apps=pid --format=csv,noheader   -> one PID per line
-#   nvidia-smi -L                                               -> one line per GPU
+# answers every query the harness makes, in nvidia-smi's own output formats (csv,noheader,nounits),
+# from a state file listing the PIDs that hold a GPU (the stand-in vLLM service writes its PID there
+# when it starts and removes it when it stops); each holder shows on GPU 0:
+#   nvidia-smi --query-compute-apps=pid --format=csv,noheader            -> one PID per line (the guard)
+#   nvidia-smi -L                                                        -> one line per GPU
+#   nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,driver_version --format=csv,noheader,nounits
+#   nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader,nounits
+# (the probe's two). Anything else is refused, as the real tool refuses an unknown query.
 STATE={state}
+holders() {{ [ -f "$STATE" ] && while read -r pid; do [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"; done < "$STATE"; }}
+uuid() {{ echo "GPU-00000000-0000-0000-0000-00000000000$1"; }}
 case " $* " in
-  *--query-compute-apps=pid*)
-    [ -f "$STATE" ] && while read -r pid; do [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"; done < "$STATE"
+  *" --query-compute-apps=pid "*)
+    holders
+    exit 0 ;;
+  *" --query-compute-apps=gpu_uuid,pid,process_name,used_memory "*)
+    for pid in $(holders); do echo "$(uuid 0), $pid, $(cat /proc/$pid/comm 2>/dev/null || echo '?'), 1024"; done
+    exit 0 ;;
+  *" --query-gpu=index,uuid,name,memory.used,memory.total,driver_version "*)
+    busy=$(holders | wc -l)
+    for i in $(seq 0 $(({gpus} - 1))); do
+      used=0; [ "$i" = 0 ] && used=$((busy * 1024))
+      echo "$i, $(uuid $i), Stand-in GPU, $used, 97887, 580.00"
+    done
     exit 0 ;;
   *" -L "*)
-    for i in $(seq 0 $(({gpus} - 1))); do echo "GPU $i: Stand-in GPU (UUID: GPU-00000000-0000-0000-0000-00000000000$i)"; done
+    for i in $(seq 0 $(({gpus} - 1))); do echo "GPU $i: Stand-in GPU (UUID: $(uuid $i))"; done
     exit 0 ;;
 esac
 echo "stand-in nvidia-smi: unsupported arguments: $*" >&2

@@ -139,8 +139,8 @@ def test_unreachable_port_reported_and_others_continue(sshd, tmp_path):
     rc, data, err = audit_json(inv)
     assert rc == 0
     assert data["hosts"]["dead"]["reachable"] is False
-    assert data["hosts"]["dead"]["error"] == "unreachable"
-    assert str(dead_port) in data["hosts"]["dead"]["message"]
+    assert data["hosts"]["dead"]["kind"] == "unreachable"
+    assert str(dead_port) in data["hosts"]["dead"]["error"]
     assert data["hosts"]["alive"]["reachable"] is True
     r = run_inv("audit", "--strict", "--inventory", str(inv))
     assert r.returncode == 1 and "dead" in r.stderr
@@ -196,7 +196,7 @@ def test_shell_metacharacters_never_run(sshd, tmp_path):
     rc, data, err = audit_json(inv)
     assert data["hosts"]["a"]["reachable"] is True
     assert data["hosts"]["b"]["reachable"] is False
-    assert "not found" in data["hosts"]["b"]["message"]
+    assert "not found" in data["hosts"]["b"]["error"]
     assert not marker.exists()
     r = run_inv("audit", "--inventory", str(inv), env={"HARNESS_X": evil})
     assert not marker.exists()

@@ -138,7 +138,7 @@ def test_env_render_cli_masks_and_diffs_against_last_run(sshd, tmp_path):
     with open_host(inv.hosts["h"], inv) as conn:
         runs.launch(conn, inv, "teststage", run_id="e1", gpu=False, code_root=code_root(tmp_path),
                     environ={"HF_TOKEN": SECRET})
-        runs.follow(conn, "e1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+        runs.follow(conn, "e1", base=tmp_path / "runs", on_line=lambda l: None)
     entry["env"] = {"NCCL_DEBUG": "INFO"}
     write_inventory(tmp_path, {"h": entry}, secrets=["HF_TOKEN"])
     r = run_inv("env.render", "--diff", "--inventory", str(inv_path), env={"HF_TOKEN": "hf_NewValue_999"})
@@ -159,7 +159,7 @@ def test_env_diff_masks_a_secret_removed_from_the_inventory_since_the_last_run(s
     with open_host(inv.hosts["h"], inv) as conn:
         runs.launch(conn, inv, "teststage", run_id="s1", gpu=False, code_root=code_root(tmp_path),
                     environ={"HF_TOKEN": SECRET, "WANDB_API_KEY": old_wandb})
-        runs.follow(conn, "s1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+        runs.follow(conn, "s1", base=tmp_path / "runs", on_line=lambda l: None)
         assert sorted(runs.last_env(conn)["secrets"]) == ["HF_TOKEN", "WANDB_API_KEY"]
     write_inventory(tmp_path, {"h": entry}, secrets=["HF_TOKEN"])  # WANDB_API_KEY is no secret any more
     r = run_inv("env.render", "--diff", "--inventory", str(inv_path), env={"HF_TOKEN": SECRET})

@@ -32,7 +32,7 @@ def finished(sshd, tmp_path):
     conn = open_host(inv.hosts["gpu1"], inv)
     runs.launch(conn, inv, "teststage", run_id="p1", extra={"files": FILES, "intermediates": ["data_*.pt"]},
                 code_root=code_root(tmp_path), environ={})
-    st = runs.follow(conn, "p1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    st = runs.follow(conn, "p1", base=tmp_path / "runs", on_line=lambda l: None)
     assert st["state"] == "succeeded"
     yield inv, conn, tmp_path / "wd" / "runs" / "p1" / "artifacts"
     conn.close()
@@ -46,7 +46,7 @@ def digest(p: Path) -> str:
 def test_pull_verified_and_intermediates_stay(finished, tmp_path, method):
     inv, conn, art = finished
     dest = tmp_path / f"dest-{method}"
-    res = pull(conn, "p1", dest, method=method, progress=False)
+    res = pull(conn, "p1", dest, method=method)
     assert res.method == method
     assert sorted(res.files) == ["checkpoint/model.safetensors", "vocab/d2t.npy"]
     assert sorted(res.left_on_host) == ["data_0.pt", "data_1.pt"] and not (dest / "data_0.pt").exists()
@@ -54,9 +54,9 @@ def test_pull_verified_and_intermediates_stay(finished, tmp_path, method):
         assert digest(dest / rel) == digest(art / rel)
     assert json.loads((dest / "result.json").read_text())["intermediates"] == ["data_*.pt"]
     assert not (dest / ".partial").exists()
-    again = pull(conn, "p1", dest, method=method, progress=False)
+    again = pull(conn, "p1", dest, method=method)
     assert again.transferred == 0  # verified files already here are not fetched again
-    full = pull(conn, "p1", dest, method=method, include_all=True, progress=False)
+    full = pull(conn, "p1", dest, method=method, include_all=True)
     assert sorted(full.files) == sorted(FILES) and digest(dest / "data_1.pt") == digest(art / "data_1.pt")
 
 
@@ -68,7 +68,7 @@ def test_pull_detects_corrupted_artifact(finished, tmp_path):
     target.write_bytes(bytes(data))
     dest = tmp_path / "dest"
     with pytest.raises(HarnessError, match=r"artifact checkpoint/model.safetensors does not match SHA256SUMS"):
-        pull(conn, "p1", dest, progress=False)
+        pull(conn, "p1", dest)
     assert not (dest / "checkpoint" / "model.safetensors").exists()  # never placed
     assert not (dest / ".partial" / "checkpoint" / "model.safetensors").exists()  # nor kept to resume from
     assert digest(dest / "vocab" / "d2t.npy") == digest(art / "vocab" / "d2t.npy")  # the good file is
@@ -84,7 +84,7 @@ from harness.connection import open_host
 from harness.pull import pull
 inv = load_inventory({inv!r})
 conn = open_host(inv.hosts["gpu1"], inv)
-pull(conn, "big", {dest!r}, method={method!r}, progress=False, bwlimit_kbps=4000)
+pull(conn, "big", {dest!r}, method={method!r}, bwlimit_kbps=4000)
 """
 
 
@@ -94,7 +94,7 @@ def big_run(sshd, tmp_path, size: int = 24 << 20):
     with open_host(inv.hosts["gpu1"], inv) as conn:
         runs.launch(conn, inv, "teststage", run_id="big", extra={"files": {"hidden.bin": size}, "random": True},
                     code_root=code_root(tmp_path), environ={})
-        assert runs.follow(conn, "big", progress=False, base=tmp_path / "runs", on_line=lambda l: None)["state"] == "succeeded"
+        assert runs.follow(conn, "big", base=tmp_path / "runs", on_line=lambda l: None)["state"] == "succeeded"
     return inv, size
 
 
@@ -105,8 +105,7 @@ def test_interrupted_pull_resumes_and_verifies(sshd, tmp_path, method):
     partial = dest / ".partial" / "hidden.bin"
     script = PULL_SCRIPT.format(repo=str(REPO), inv=inv.source, dest=str(dest), method=method)
     if method == "sftp":  # SFTP has no bandwidth limit: slow it with a tiny reader instead
-        script = script.replace("bwlimit_kbps=4000", "bwlimit_kbps=None").replace(
-            "from harness.pull import pull", "import harness.pull as P\nP.CHUNK = 1 << 14\nfrom harness.pull import pull")
+        script = script.replace("bwlimit_kbps=4000", "bwlimit_kbps=None, chunk=1 << 14")
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
         wait_for(lambda: partial.exists() and partial.stat().st_size > (2 << 20), timeout=60, step=0.02)
@@ -117,7 +116,7 @@ def test_interrupted_pull_resumes_and_verifies(sshd, tmp_path, method):
     got = partial.stat().st_size
     assert 0 < got < size and not (dest / "hidden.bin").exists()
     with open_host(inv.hosts["gpu1"], inv) as conn:
-        res = pull(conn, "big", dest, method=method, progress=False)
+        res = pull(conn, "big", dest, method=method)
     assert res.transferred <= size - got + (1 << 20)  # only the rest crossed the link
     assert digest(dest / "hidden.bin") == digest(tmp_path / "wd" / "runs" / "big" / "artifacts" / "hidden.bin")
 
@@ -128,7 +127,7 @@ def test_pull_refuses_running_run(sshd, tmp_path):
         runs.launch(conn, inv, "teststage", run_id="busy", extra={"sleep": 30}, code_root=code_root(tmp_path),
                     environ={})
         with pytest.raises(HarnessError, match="run busy is running; pull it once it has finished"):
-            pull(conn, "busy", tmp_path / "d", progress=False)
+            pull(conn, "busy", tmp_path / "d")
         runs.stop(conn, "busy", grace=2)
 
 
@@ -143,7 +142,7 @@ def test_artifact_name_escaping_the_artifacts_dir_is_refused(finished, tmp_path)
         sums.write_text(good + f"{'0' * 64}  {name}\n")
         with pytest.raises(HarnessError, match=re.escape(
                 f"host gpu1: run p1: artifact name '{name}' escapes the artifacts dir; refusing to pull")):
-            pull(conn, "p1", dest, progress=False)
+            pull(conn, "p1", dest)
         assert not dest.exists() and not (tmp_path / "a" / ".bashrc").exists()
         r = run_inv("pull", "p1", "--dest", str(dest), "--inventory", inv.source)
         assert r.returncode == 1 and "escapes the artifacts dir" in r.stderr and "Traceback" not in r.stderr
@@ -158,9 +157,9 @@ def test_pull_method_checked_before_anything_happens(finished, tmp_path):
     inv, conn, art = finished
     dest = tmp_path / "dest"
     with pytest.raises(HarnessError, match=r"pull --method 'ftp': unknown method; use auto, rsync or sftp"):
-        pull(conn, "p1", dest, method="ftp", progress=False)
+        pull(conn, "p1", dest, method="ftp")
     with pytest.raises(HarnessError, match=r"pull --method 'local': host gpu1 has transport ssh; use auto, rsync or sftp"):
-        pull(conn, "p1", dest, method="local", progress=False)
+        pull(conn, "p1", dest, method="local")
     assert not dest.exists()
     # rsync asked for on a workstation without rsync: one line, before any transfer or progress bar
     empty = tmp_path / "empty-path"
@@ -198,7 +197,7 @@ from harness.connection import open_host
 inv = load_inventory({inv!r})
 conn = open_host(inv.hosts["gpu1"], inv)
 try:
-    P.pull(conn, "big", {dest!r}, method="sftp", progress=False)
+    P.pull(conn, "big", {dest!r}, method="sftp")
 except HarnessError as e:
     print("HarnessError:", e, flush=True)
     sys.exit(3)
@@ -225,6 +224,6 @@ def test_sftp_link_dropped_mid_pull_says_rerun_and_resumes(sshd, tmp_path):
     got = partial.stat().st_size
     assert 0 < got < size and not (dest / "hidden.bin").exists()
     with open_host(inv.hosts["gpu1"], inv) as conn:
-        res = pull(conn, "big", dest, method="sftp", progress=False)
+        res = pull(conn, "big", dest, method="sftp")
     assert res.transferred <= size - got + (1 << 20)
     assert digest(dest / "hidden.bin") == digest(tmp_path / "wd" / "runs" / "big" / "artifacts" / "hidden.bin")

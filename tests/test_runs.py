@@ -12,7 +12,8 @@ import pytest
 
 from conftest import free_port, run_inv, write_inventory
 from runs_support import code_root, drop_connections, pid_alive, wait_for
-from harness import runs
+from harness import runner, runs
+from harness.stagelist import stage_names
 from harness.connection import open_host
 from harness.errors import HarnessError
 from harness.inventory import ModelSpec, load_inventory
@@ -44,7 +45,7 @@ def test_launch_runs_detached_and_records_everything(host, tmp_path):
     h = runs.launch(conn, inv, "teststage", run_id="t1", extra={"lines": 3, "files": {"a.bin": 1000}},
                     code_root=code, environ=ENV)
     assert h.launched and h.code_uploaded and h.round_trips == 2  # new code: ask, then send it
-    st = runs.follow(conn, "t1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    st = runs.follow(conn, "t1", base=tmp_path / "runs", on_line=lambda l: None)
     assert st["state"] == "succeeded" and st["exit_code"] == 0
     rd = Path(st["run_dir"])
     assert st["pid"] and st["pid_start"] and len(st["boot_id"]) >= 32 and st["started_at"] and st["ended_at"]
@@ -68,7 +69,7 @@ def test_run_id_makes_launch_idempotent(host, tmp_path):
     inv, connect, code = host
     conn = connect()
     runs.launch(conn, inv, "teststage", run_id="idem", code_root=code, environ=ENV)
-    st = runs.follow(conn, "idem", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    st = runs.follow(conn, "idem", base=tmp_path / "runs", on_line=lambda l: None)
     assert st["state"] == "succeeded"
     again = runs.launch(conn, inv, "teststage", run_id="idem", code_root=code, environ=ENV)
     assert not again.launched and again.reason == "already succeeded" and again.status["attempt"] == 1
@@ -76,11 +77,11 @@ def test_run_id_makes_launch_idempotent(host, tmp_path):
         runs.launch(conn, inv, "teststage", run_id="idem", extra={"lines": 9}, code_root=code, environ=ENV)
 
     runs.launch(conn, inv, "teststage", run_id="bad", extra={"exit": 3}, code_root=code, environ=ENV)
-    st = runs.follow(conn, "bad", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    st = runs.follow(conn, "bad", base=tmp_path / "runs", on_line=lambda l: None)
     assert st["state"] == "failed" and st["attempt"] == 1
     retry = runs.launch(conn, inv, "teststage", run_id="bad", extra={"exit": 3}, code_root=code, environ=ENV)
     assert retry.launched  # a failed run is started again, as attempt 2, its first log kept
-    st = runs.follow(conn, "bad", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    st = runs.follow(conn, "bad", base=tmp_path / "runs", on_line=lambda l: None)
     assert st["attempt"] == 2
     assert (Path(st["run_dir"]) / "attempts" / "1" / "run.log").exists()
 
@@ -89,10 +90,16 @@ def test_failing_stage_exit_code_surfaced(host, tmp_path):
     inv, connect, code = host
     conn = connect()
     with pytest.raises(HarnessError, match=r"run f1 failed.*exit code 7"):
-        runs.run_stage(conn, inv, "teststage", run_id="f1", extra={"exit": 7}, code_root=code, environ=ENV,
-                       progress=False)
+        runner.run_stage(conn, inv, "teststage", run_id="f1", extra={"exit": 7}, code_root=code, environ=ENV)
     st = runs.status(conn, "f1")
-    assert st["state"] == "failed" and st["exit_code"] == 7
+    assert st["state"] == "failed" and st["exit_code"] == 7 and st["error"] == "stage teststage exited with code 7"
+    # a stage's own one-line reason becomes the run's error, which the pipeline and stage.* show
+    with pytest.raises(HarnessError) as refused:
+        runner.run_stage(conn, inv, "teststage", run_id="f2", extra={"refuse": "dataset /d/x.jsonl:7: not valid JSON"},
+                         code_root=code, environ=ENV)
+    assert "stage teststage failed: dataset /d/x.jsonl:7: not valid JSON" in str(refused.value)
+    log = runs.read_whole_log(conn, "f2")["log"]
+    assert "Traceback" not in log and "@@harness stage teststage failed: dataset /d/x.jsonl:7" in log
     # and through the CLI, as a user sees it
     r = run_inv("runs.status", "f1", "--json", "--inventory", inv.source)
     assert r.returncode == 0, r.stderr
@@ -111,7 +118,7 @@ def test_stage_outlives_its_connection_and_logs_resume_at_offset(host, sshd, tmp
 
     def watch():
         try:
-            runs.follow(conn, "long", progress=False, base=tmp_path / "runs", on_line=seen.append, reconnect_s=0)
+            runs.follow(conn, "long", base=tmp_path / "runs", on_line=seen.append, reconnect_s=0)
         except HarnessError as e:
             errors.append(e)
 
@@ -127,7 +134,7 @@ def test_stage_outlives_its_connection_and_logs_resume_at_offset(host, sshd, tmp
     # reattach on a new connection: continues exactly where the first follow stopped
     conn2 = connect()
     rest: list[str] = []
-    st = runs.follow(conn2, "long", progress=False, base=tmp_path / "runs", on_line=rest.append)
+    st = runs.follow(conn2, "long", base=tmp_path / "runs", on_line=rest.append)
     assert st["state"] == "succeeded"  # the run went on while nobody was connected
     lines = [l for l in first + rest if l.startswith("line ")]
     assert lines == [f"line {i} of 40" for i in range(1, 41)]  # no gap, no repeat
@@ -157,7 +164,7 @@ def test_secret_never_reaches_log_or_output(host, tmp_path):
     conn = connect()
     seen: list[str] = []
     runs.launch(conn, inv, "teststage", run_id="sec", extra={"print_env": "HF_TOKEN"}, code_root=code, environ=ENV)
-    runs.follow(conn, "sec", progress=False, base=tmp_path / "runs", on_line=seen.append)
+    runs.follow(conn, "sec", base=tmp_path / "runs", on_line=seen.append)
     log = (tmp_path / "wd" / "runs" / "sec" / "run.log").read_text()
     assert "env HF_TOKEN=****" in log  # the stage saw it, the log on the host shows it masked
     assert ENV["HF_TOKEN"] not in log and ENV["HF_TOKEN"] not in "\n".join(seen)
@@ -170,7 +177,7 @@ def test_list_and_bad_run_id(host, tmp_path):
     inv, connect, code = host
     conn = connect()
     runs.launch(conn, inv, "teststage", run_id="l1", code_root=code, environ=ENV)
-    runs.follow(conn, "l1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    runs.follow(conn, "l1", base=tmp_path / "runs", on_line=lambda l: None)
     r = run_inv("runs.list", "--json", "--inventory", inv.source)
     assert r.returncode == 0, r.stderr
     assert [x["run_id"] for x in json.loads(r.stdout)["gpu1"]] == ["l1"]
@@ -204,7 +211,7 @@ def test_killed_wrapper_reads_as_lost_and_can_be_relaunched(host, tmp_path):
 def test_every_stage_module_is_a_task():
     r = run_inv("-l")
     assert r.returncode == 0, r.stderr
-    names = runs.stages()
+    names = stage_names()
     assert names  # remote/stages/ has stages
     for name in names:
         assert f"stage.{name}" in r.stdout
@@ -243,7 +250,7 @@ def _dead(sshd, tmp_path, name):
 def test_every_failing_host_is_shown_and_fails_the_task(host, sshd, tmp_path):
     inv, connect, code = host
     runs.launch(connect(), inv, "teststage", run_id="l1", code_root=code, environ=ENV)
-    runs.follow(connect(), "l1", progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    runs.follow(connect(), "l1", base=tmp_path / "runs", on_line=lambda l: None)
     entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")), "dead1": _dead(sshd, tmp_path, "dead1"),
                "dead2": _dead(sshd, tmp_path, "dead2")}
     two = str(write_inventory(tmp_path / "mixed.yaml", entries, secrets=["HF_TOKEN"]))
@@ -256,8 +263,8 @@ def test_every_failing_host_is_shown_and_fails_the_task(host, sshd, tmp_path):
     r = run_inv("runs.list", "--json", "--hosts", "gpu1,dead1", "--inventory", two)
     assert r.returncode == 1
     data = json.loads(r.stdout)
-    assert [x["run_id"] for x in data["gpu1"]] == ["l1"] and data["dead1"]["error"] == "unreachable"
-    msg = data["dead1"]["message"]
+    assert [x["run_id"] for x in data["gpu1"]] == ["l1"] and data["dead1"]["kind"] == "unreachable"
+    msg = data["dead1"]["error"]
     assert len(msg) > 80
     # the message stays on one line even though stdout is not a terminal (no wrap at 80 columns)
     r = run_inv("runs.status", "l1", "--hosts", "gpu1,dead1", "--inventory", two)
@@ -279,7 +286,7 @@ def test_stage_task_prints_each_failing_host(host, sshd, tmp_path):
     """inv stage.X on two hosts where both fail differently: each host's own line, exit 1."""
     entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")), "dead1": _dead(sshd, tmp_path, "dead1")}
     path = str(write_inventory(tmp_path / "mixed.yaml", entries, model={"path": "/nonexistent/model"}))
-    stage = runs.stages()[0]
+    stage = stage_names()[0]
     r = run_inv(f"stage.{stage}", "--no-follow", "--inventory", path)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stderr.splitlines()

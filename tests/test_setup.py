@@ -76,4 +76,4 @@ def test_setup_cli_refuses_python_outside_a_venv(tmp_path):
     inv = write_inventory(tmp_path, {"l": {"transport": "local", "python": "python3"}})
     r = run_inv("setup", "--json", "--inventory", str(inv))
     assert r.returncode != 0 and "point 'python' into one" in r.stderr and "Traceback" not in r.stderr
-    assert json.loads(r.stdout)["setup"]["l"]["error"] == "error"
+    assert json.loads(r.stdout)["setup"]["l"]["kind"] == "error"

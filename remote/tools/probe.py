@@ -192,7 +192,32 @@ def speculators_path():
     return None if dist is None else dist.locate("speculators")
 
 
+def interfaces():
+    """Network interface names (what NCCL_SOCKET_IFNAME must match)."""
+    try:
+        return sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        return []
+
+
+def paths_exist(paths):
+    """{path: exists} for host paths an env file names (``~`` expanded as the host's shell would)."""
+    return {p: os.path.exists(os.path.expanduser(p)) for p in paths}
+
+
+#: the facts a caller can ask for alone (``spec["only"]``), e.g. env.lint's three
+SELECTABLE = {
+    "interfaces": lambda spec: interfaces(),
+    "gpus": lambda spec: gpus(),
+    "files": lambda spec: paths_exist(spec.get("paths") or []),
+    "disk": lambda spec: disk(spec.get("workdir", "~/.eagle-harness")),
+    "packages": lambda spec: packages(),
+}
+
+
 def main(spec):
+    if spec.get("only"):  # a few facts, not the whole audit
+        return {name: SELECTABLE[name](spec) for name in spec["only"]}
     workdir = spec.get("workdir", "~/.eagle-harness")
     facts = {
         "system": os_facts(),

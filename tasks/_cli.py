@@ -1,0 +1,171 @@
+"""What every task shares: the common options, clean one-line errors, JSON or rich output, exits.
+
+The harness returns data and never prints; everything a person sees is drawn here and in the task
+modules. Nothing heavy is imported at module level: ``inv -l`` loads every task module, so rich,
+pydantic, paramiko and jinja2 load only when a task runs.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from typing import Any, Callable
+
+from invoke.exceptions import Exit
+
+#: help strings of the options every host task takes
+COMMON_HELP = {
+    "inventory": "inventory file (default ./inventory.yaml, or $HARNESS_INVENTORY)",
+    "hosts": "comma-separated host names (default: every host in the inventory)",
+    "json": "print JSON only (for machines) instead of the table",
+}
+#: the progress lines a stage prints (remote/runtime/runstage.py's contract)
+PROGRESS = "@@progress "
+
+_consoles: dict[str, Any] = {}
+
+
+def console(name: str = "out"):
+    """The rich console for stdout (``out``) or stderr (``err``), made on first use. soft_wrap: a
+    message stays one line when output is not a terminal (rich wraps at 80 columns otherwise)."""
+    if name not in _consoles:
+        from rich.console import Console
+
+        _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True)
+    return _consoles[name]
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape as _escape
+
+    return _escape(str(text))
+
+
+def clean_errors(fn: Callable) -> Callable:
+    """Turn a HarnessError into a one-line message and exit 2, Ctrl-C into exit 130, no traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from harness.errors import HarnessError
+
+        try:
+            return fn(*args, **kwargs)
+        except HarnessError as e:
+            raise Exit(f"error: {e}", code=2)
+        except KeyboardInterrupt as e:  # runs.Detached says how to reattach
+            raise Exit(str(e) or "interrupted", code=130)
+    return wrapper
+
+
+def load(inventory: str | None, hosts: str | None):
+    """(inventory, selected hosts): every problem with either is a one-line HarnessError."""
+    from harness.inventory import load_inventory, select_hosts
+
+    inv = load_inventory(inventory)
+    return inv, select_hosts(inv, hosts)
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def print_failures(results, to: str = "err") -> None:
+    """Each failed host's message on one line (never wrapped), prefixed by its name, in red."""
+    for f in results.failed.values():
+        console(to).print(f"[bold cyan]\\[{escape(f.host)}][/] [red]{escape(f.message)}[/]")
+
+
+def finish(results) -> None:
+    """After every host was shown: exit 1 with one ``error:`` line per failed host, if any."""
+    lines = results.error_lines()
+    if lines:
+        raise Exit("\n".join(lines), code=1)
+
+
+class HostOutput:
+    """Prints lines prefixed with their host, one whole line at a time, from many threads."""
+
+    def __init__(self, enabled: bool = True, to: str = "err"):
+        self.enabled, self.to = enabled, to
+        self._lock = threading.Lock()
+
+    def line(self, host: str, text: str, style: str = "") -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            body = escape(text)
+            console(self.to).print(f"[bold cyan]\\[{escape(host)}][/] " + (f"[{style}]{body}[/]" if style else body))
+
+    def for_host(self, host: str, style: str = "") -> Callable[[str], None]:
+        return lambda text: self.line(host, text, style)
+
+
+class StageView:
+    """A stage's log as a person follows it: ``@@progress`` lines drive a rich bar, the others are
+    printed (``@@harness`` ones dimmed), through ``echo`` when given (e.g. host-prefixed)."""
+
+    def __init__(self, label: str, show: bool = True, echo: Callable[[str], None] | None = None):
+        self.label, self.show, self.echo = label, show, echo
+        self._progress = None
+        self._task = None
+
+    def __enter__(self):
+        if self.show:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                      console=console("err"), transient=False)
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+            self._progress, self._task = None, None
+
+    def line(self, line: str) -> None:
+        if line.startswith(PROGRESS):
+            try:
+                p = json.loads(line[len(PROGRESS):])
+                done, total = p.get("done"), p.get("total")
+            except (ValueError, AttributeError):
+                p = None
+            if p is not None:
+                if self._progress is not None:
+                    if self._task is None:
+                        self._task = self._progress.add_task(self.label, total=total, unit=p.get("unit", ""))
+                    self._progress.update(self._task, completed=done, total=total, unit=p.get("unit", ""))
+                return
+        if self.echo:
+            self.echo(line)
+        elif self.show:
+            style = "dim" if line.startswith("@@harness") else ""
+            console("err").print(f"[{style}]{escape(line)}[/]" if style else escape(line))
+
+
+class ByteBar:
+    """A rich bar for a pull: bytes done, total, rate; made on the first report, closed by ``close``."""
+
+    def __init__(self, label: str, show: bool = True):
+        self.label, self.show = label, show
+        self._progress = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.show:
+            return
+        if self._progress is None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=console("err"),
+                                      transient=False)
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.label, total=total)
+        self._progress.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+            self._progress = None

@@ -1,0 +1,58 @@
+"""Stages one at a time: run a stage of remote/stages/ detached on the host and follow it (the same
+run path as the pipeline: launch, follow, check the run and the service, pull)."""
+from invoke import Collection, task
+
+from tasks._cli import COMMON_HELP, HostOutput, StageView, clean_errors, emit_json, finish, load, print_failures
+
+
+def _stage_task(name: str):
+    def body(c, inventory=None, hosts=None, json=False, run_id=None, inputs=None, gpu="auto", follow=True,
+             pull=False, dest=None):
+        from pathlib import Path
+
+        from harness import runner, runs
+        from harness.errors import HarnessError
+        from harness.parallel import on_hosts, with_connection
+
+        inv, selected = load(inventory, hosts)
+        if gpu not in ("auto", "on", "off"):
+            raise HarnessError(f"--gpu {gpu!r}: use auto, on or off")
+        ins = runs.parse_inputs(inputs)
+        out = HostOutput(enabled=not json)
+        live = len(selected) == 1 and not json
+
+        def one(conn):
+            d = Path(dest) / conn.name if dest and len(selected) > 1 else (Path(dest) if dest else None)
+            with StageView(f"{conn.name} {name}", show=live, echo=None if live else out.for_host(conn.name)) as view:
+                res = runner.run_stage(conn, inv, name, run_id=run_id, inputs=ins,
+                                       gpu={"auto": None, "on": True, "off": False}[gpu], follow=follow,
+                                       pull=pull, dest=d, on_line=view.line)
+            what = (f"run {res.run_id}: launched, state {res.status.get('state')}" if not follow else
+                    f"run {res.run_id} {res.status.get('state')}" + ("" if res.ran else " earlier (not run again)")
+                    + (f", pulled to {res.pulled}" if res.pulled else ""))
+            out.line(conn.name, what)
+            return res
+
+        results = on_hosts(selected, with_connection(inv, one))
+        if json:
+            emit_json(results.to_json(lambda r: r.as_dict()))
+        else:
+            print_failures(results)
+        finish(results)
+
+    body.__name__ = body.__qualname__ = name
+    body.__doc__ = f"Run stage '{name}' (remote/stages/{name}.py) detached on the host, following its progress."
+    return task(name=name, help=COMMON_HELP | {
+        "run_id": "run id (default: <stage>-<time>-<random>); a finished run with this id is not run again",
+        "inputs": "upstream runs as STAGE=RUN_ID[,STAGE=RUN_ID]",
+        "gpu": "GPU guard (service stop/start, free-GPU wait, host lock): auto (host has GPUs), on, off",
+        "follow": "follow the log until the run ends (--no-follow: launch and return)",
+        "pull": "pull the artifacts when the run has succeeded", "dest": "pull destination (default runs/<run-id>)",
+    })(clean_errors(body))
+
+
+def collection() -> Collection:
+    """One task per stage module of remote/stages/ (read from the files, not imported)."""
+    from harness.stagelist import stage_names
+
+    return Collection("stage", *[_stage_task(n) for n in stage_names()])
