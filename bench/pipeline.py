@@ -33,18 +33,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 REMOTE = REPO / "remote"
-STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
-INPUTS = {"prepare": [], "extract": ["prepare"], "vocab": ["extract"], "train": ["extract", "vocab"],
-          "evaluate": ["prepare", "extract", "train"]}
 BARS = {"minutes": 15.0, "acceptance": 1.8, "extract_ratio": 1.15}
 
 
-def run_stage(stage: str, workdir: Path, model: dict, pipeline: dict, env: dict) -> tuple[dict, float, float]:
+def run_stage(stage: str, inputs: tuple[str, ...], workdir: Path, model: dict, pipeline: dict,
+              env: dict) -> tuple[dict, float, float]:
     run_dir = workdir / "runs" / f"{stage}-bench"
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"run_id": f"{stage}-bench", "stage": stage, "run_dir": str(run_dir), "workdir": str(workdir),
             "model": model, "pipeline": pipeline,
-            "inputs": {s: str(workdir / "runs" / f"{s}-bench" / "artifacts") for s in INPUTS[stage]}}
+            "inputs": {s: str(workdir / "runs" / f"{s}-bench" / "artifacts") for s in inputs}}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -68,17 +66,19 @@ def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 
     from datasets import load_from_disk
 
     from stages import common, extract
+    from stages.lib.capture import HfCapture
 
     spec = {"run_dir": str(workdir / "runs" / "extract-bench"), "workdir": str(workdir), "model": model,
             "pipeline": pipeline, "stage": "extract"}
-    dev = common.device(pipeline)
+    cfg = common.settings(spec, extract.SETTINGS)  # as extract reads them
+    dev = common.device(cfg)
     path = common.model_dir(spec)
-    net = common.load_model(spec, path, dev, common.compute_dtype(pipeline, dev))
+    net = common.load_model(spec, path, dev, common.compute_dtype(cfg, dev))
     dataset = load_from_disk(str(workdir / "runs" / "prepare-bench" / "artifacts" / "dataset"))
     dataset.set_format("torch")
     layers = json.loads((workdir / "runs" / "extract-bench" / "artifacts" / "extract.json").read_text())["capture_layers"]
-    todo, batch_size = list(range(min(samples, len(dataset)))), int(pipeline.get("batch_size") or 8)
-    forward = extract.HfCapture(net, [])  # the same forward (shared prompt prefix once), no layer captured
+    todo, batch_size = list(range(min(samples, len(dataset)))), cfg.batch_size
+    forward = HfCapture(net, [])  # the same forward (shared prompt prefix once), no layer captured
     bare, full = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(3):
@@ -87,7 +87,7 @@ def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 
                 for _index, _rows, batch in extract.batches(dataset, todo, batch_size):
                     forward(batch.to(dev))
             bare.append(time.perf_counter() - start)
-            capture = extract.HfCapture(net, layers)
+            capture = HfCapture(net, layers)
             start = time.perf_counter()
             with open(os.devnull, "w") as quiet:  # the progress lines
                 stdout, sys.stdout = sys.stdout, quiet
@@ -127,6 +127,7 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
+    from harness import stagecontract
     from harness.inventory import load_inventory
 
     inv = load_inventory(args.inventory)
@@ -142,12 +143,12 @@ def main() -> int:
 
     results, total_wall, total_cpu = {}, 0.0, 0.0
     print(f"{'stage':<10}{'wall s':>9}{'cpu s':>9}  result")
-    for stage in STAGES:
+    for stage, contract in stagecontract.load().stages.items():  # in pipeline order
         if args.reuse:
             result = json.loads((workdir / "runs" / f"{stage}-bench" / "result.json").read_text())
             wall = cpu = result["seconds"]
         else:
-            result, wall, cpu = run_stage(stage, workdir, model, pipeline, env)
+            result, wall, cpu = run_stage(stage, contract.reads, workdir, model, pipeline, env)
         results[stage] = result
         total_wall, total_cpu = total_wall + wall, total_cpu + cpu
         keys = ("samples", "tokens", "loss", "val_full_acc_0", "coverage", "acceptance_length")

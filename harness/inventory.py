@@ -114,46 +114,60 @@ class ModelSpec(_Strict):
     gguf_package: str | None = None
 
 
-class PipelineSpec(_Strict):
-    """Settings of the four stages plus evaluation; each stage's docstring in remote/stages/ says
-    which of them it reads. Defaults here are the stages' own defaults."""
+def _default(name: str, **constraints: Any) -> Any:
+    """A pydantic ``Field`` for pipeline setting ``name`` with the default its stage contract declares
+    (remote/stages/<stage>.py SETTINGS, common.py COMMON_SETTINGS, read without importing the stages)."""
+    import copy
 
-    dataset: str = "builtin:prompts"
-    dataset_split: str = "train"
-    samples: int = Field(default=64, ge=1)
-    heldout: int = Field(default=16, ge=0)
-    max_seq_len: int = Field(default=512, ge=16)
-    regenerate: bool = True
-    max_new_tokens: int = Field(default=128, ge=1)
-    capture_layers: list[int] | None = None
-    draft_vocab_size: int = Field(default=32000, ge=1)
-    backend: Literal["hf", "vllm"] = "hf"
-    device: str = "auto"
-    dtype: str = "auto"
-    batch_size: int = Field(default=8, ge=1)
-    tensor_parallel: int = Field(default=1, ge=1)
-    gpu_memory_utilization: float = Field(default=0.8, gt=0, le=1)
+    from harness import stagecontract
+
+    value = stagecontract.default(name)
+    if isinstance(value, (dict, list)):
+        return Field(default_factory=lambda: copy.deepcopy(value), **constraints)
+    return Field(default=value, **constraints)
+
+
+class PipelineSpec(_Strict):
+    """Settings of the four stages plus evaluation. Each default is the one the stage that reads the
+    setting declares at its top (``SETTINGS`` in remote/stages/<stage>.py, ``COMMON_SETTINGS`` in
+    common.py for those every stage reads): one place for each; here only their types and bounds."""
+
+    dataset: str = _default("dataset")
+    dataset_split: str = _default("dataset_split")
+    samples: int = _default("samples", ge=1)
+    heldout: int = _default("heldout", ge=0)
+    max_seq_len: int = _default("max_seq_len", ge=16)
+    regenerate: bool = _default("regenerate")
+    max_new_tokens: int = _default("max_new_tokens", ge=1)
+    capture_layers: list[int] | None = _default("capture_layers")
+    draft_vocab_size: int = _default("draft_vocab_size", ge=1)
+    backend: Literal["hf", "vllm"] = _default("backend")
+    device: str = _default("device")
+    dtype: str = _default("dtype")
+    batch_size: int = _default("batch_size", ge=1)
+    tensor_parallel: int = _default("tensor_parallel", ge=1)
+    gpu_memory_utilization: float = _default("gpu_memory_utilization", gt=0, le=1)
     #: GPUs for training (torchrun processes); 1 = a single process
-    gpus: int = Field(default=1, ge=1)
-    #: torch.compile the draft (default: only on CUDA)
-    compile: bool | None = None
+    gpus: int = _default("gpus", ge=1)
+    #: torch.compile the draft (unset: only on CUDA)
+    compile: bool | None = _default("compile")
     #: torch intra-op threads (0 = torch's default, all cores); 1 helps on a CPU shared with other work
-    threads: int = Field(default=0, ge=0)
-    draft_layers: int = Field(default=1, ge=1)
-    draft_intermediate_size: int | None = Field(default=None, ge=1)
-    train_seq_len: int = Field(default=2048, ge=16)
-    val_fraction: float = Field(default=0.1, ge=0, lt=1)
-    epochs: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-4, gt=0)
-    ttt_steps: int = Field(default=3, ge=1)
+    threads: int = _default("threads", ge=0)
+    draft_layers: int = _default("draft_layers", ge=1)
+    draft_intermediate_size: int | None = _default("draft_intermediate_size", ge=1)
+    train_seq_len: int = _default("train_seq_len", ge=16)
+    val_fraction: float = _default("val_fraction", ge=0, lt=1)
+    epochs: int = _default("epochs", ge=1)
+    lr: float = _default("lr", gt=0)
+    ttt_steps: int = _default("ttt_steps", ge=1)
     #: TTT steps after the first read the verified next token (speculators' use_off_policy_tokens)
     #: rather than the draft's own guess: a chain only goes on past an accepted token, which equals it
-    ttt_verified_tokens: bool = True
+    ttt_verified_tokens: bool = _default("ttt_verified_tokens")
     #: weight of TTT step s's loss = decay ** s
-    ttt_step_loss_decay: float = Field(default=1.0, gt=0, le=1)
-    k: int = Field(default=3, ge=1)
-    seed: int = 0
-    extra: dict[str, Any] = Field(default_factory=dict)
+    ttt_step_loss_decay: float = _default("ttt_step_loss_decay", gt=0, le=1)
+    k: int = _default("k", ge=1)
+    seed: int = _default("seed")
+    extra: dict[str, Any] = _default("extra")
 
 
 class Inventory(_Strict):
@@ -232,6 +246,11 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
         raise HarnessError(f"{p}{where}: YAML syntax error: {problem}")
     if not isinstance(data, dict):
         raise HarnessError(f"{p}:1: the inventory must be a mapping with a 'hosts' section")
+    _check_duplicate_keys(node, p)
+    if "hosts" in data and (data["hosts"] is None or data["hosts"] == {}):
+        raise HarnessError(
+            f"{p}:{line_of(node, ('hosts',))}: hosts: no hosts defined; add at least one host under 'hosts' "
+            "(e.g. 'local: {transport: local}', or an ssh host with 'address'; see the shipped inventory.yaml)")
     try:
         inv = Inventory.model_validate(data)
     except ValidationError as e:
@@ -246,15 +265,89 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     return inv
 
 
+_NOT_SCALAR = object()
+
+
+def _key_name(key: yaml.Node) -> Any:
+    """A mapping key as safe_load builds it (so ``1`` and ``true`` collide as they do in its dict),
+    or ``_NOT_SCALAR`` for a key that is not a plain scalar (not compared)."""
+    if not isinstance(key, yaml.ScalarNode):
+        return _NOT_SCALAR
+    try:
+        value = yaml.constructor.SafeConstructor().construct_object(key)
+        hash(value)
+        return value
+    except Exception:  # noqa: BLE001 - a scalar safe_load would refuse anyway: compare its text
+        return (key.tag, key.value)
+
+
+def _check_duplicate_keys(node: yaml.Node | None, p: Path) -> None:
+    """Refuse a key given twice in any mapping of the inventory (PyYAML's safe_load silently keeps the
+    last one: a host named twice would be the second entry, with no word said). Read from the composed
+    node tree, which still has both keys and their lines. Merge keys (``<<``) are YAML's own override
+    mechanism and are not counted."""
+    seen: set[int] = set()
+
+    def walk(n: yaml.Node | None, path: tuple[str, ...]) -> None:
+        if n is None or id(n) in seen:  # an alias names a node already walked
+            return
+        seen.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for k, v in n.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag == "tag:yaml.org,2002:merge":
+                    walk(v, path)
+                    continue
+                key = _key_name(k)
+                label = path + (str(k.value) if isinstance(k, yaml.ScalarNode) else "?",)
+                if key is not _NOT_SCALAR:
+                    line = k.start_mark.line + 1
+                    if key in first:
+                        raise HarnessError(
+                            f"{p}:{line}: {'.'.join(label)}: defined twice (first at line {first[key]}); "
+                            "YAML would keep only the last one: remove or rename one of them")
+                    first[key] = line
+                walk(v, label)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                walk(item, path + (str(i),))
+
+    walk(node, ())
+
+
+def _key_file_problem(key: Path) -> str | None:
+    """Why ``key`` cannot serve as an SSH private key file, or None when it can be read."""
+    if key.is_dir():
+        return (f"{key} is a directory, not a key file; point 'identity' at the private key file "
+                f"(e.g. {key / 'id_ed25519'})")
+    if not key.exists():
+        if key.is_symlink():
+            return (f"key file {key} is a symlink to {os.readlink(key)}, which does not exist; "
+                    "point 'identity' at the private key file")
+        return f"key file {key} not found; point 'identity' at your private key file (e.g. ~/.ssh/id_ed25519)"
+    if not key.is_file():
+        return f"{key} is not a regular file; point 'identity' at the private key file"
+    try:
+        with open(key, "rb") as f:
+            f.read(1)
+    except PermissionError:
+        who = os.environ.get("USER") or str(os.geteuid())
+        return (f"key file {key} is not readable by user {who} (permission denied); make it readable "
+                "by the user who runs inv (chown it, chmod 600) or point 'identity' at another key")
+    except OSError as e:
+        return f"key file {key} cannot be read: {e.strerror or e}; point 'identity' at a readable key file"
+    return None
+
+
 def _check_references(inv: Inventory, node: yaml.Node, p: Path) -> None:
     """Cross-field checks pydantic cannot do alone: files that must exist, jump hosts that must resolve."""
     base = p.parent
     for name, host in inv.hosts.items():
         if host.identity:
-            key = expand_local(host.identity, base)
-            if not key.is_file():
+            problem = _key_file_problem(expand_local(host.identity, base))
+            if problem:
                 line = line_of(node, ("hosts", name, "identity"))
-                raise HarnessError(f"{p}:{line}: hosts.{name}.identity: key file {key} not found")
+                raise HarnessError(f"{p}:{line}: hosts.{name}.identity: {problem}")
         if host.jump and host.jump not in inv.hosts and not (
                 re.fullmatch(r"(?:[^@\s]+@)?[^@:\s]+(?::\d+)?", host.jump) and ("@" in host.jump or ":" in host.jump)):
             line = line_of(node, ("hosts", name, "jump"))

@@ -132,23 +132,191 @@ def test_run_ids_follow_inputs(tmp_path):
         pipeline.select_stages("train", "prepare")
 
 
-def test_stage_setting_lists_cover_what_stages_read():
-    """Every pipeline setting a stage's source reads is in that stage's READS (or common): otherwise a
-    changed setting would wrongly let the stage be skipped."""
-    import re
+def _tree(path: Path):
+    import ast
+
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _settings_read(tree) -> set[str]:
+    """The settings a module reads from its settings object: ``cfg.X``, ``cfg["X"]``, ``cfg.get("X")``."""
+    import ast
+
+    read = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+            if node.attr not in ("get", "items", "keys", "values"):
+                read.add(node.attr)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+              and node.value.id == "cfg"):
+            assert isinstance(node.slice, ast.Constant), ast.unparse(node)  # a computed name would escape
+            read.add(node.slice.value)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and isinstance(node.func.value, ast.Name) and node.func.value.id == "cfg"):
+            read.add(node.args[0].value)
+    return read
+
+
+def _pipeline_lookups(tree) -> list[str]:
+    """Places that read the run spec's ``pipeline`` dict directly (``x["pipeline"]``, ``x.get("pipeline")``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "pipeline":
+            found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("get", "setdefault", "pop") and node.args
+              and isinstance(node.args[0], ast.Constant) and node.args[0].value == "pipeline"):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_stage_contracts_declare_exactly_what_stages_read():
+    """Every pipeline setting a stage's source reads is in its contract (SETTINGS, or common's
+    COMMON_SETTINGS): otherwise a changed setting would wrongly let the stage be skipped. And every
+    setting it declares is read (else changing it would rerun the stage for nothing). Settings are
+    read only through ``cfg = common.settings(spec, SETTINGS)``, never from the spec's dict."""
+    import ast
 
     from harness import REMOTE_DIR
 
-    pattern = r"pipeline(?:\.get\(|\[)\"(\w+)\""
-    declared_anywhere = set(pipeline.COMMON_SETTINGS).union(*pipeline.READS.values())
+    stages_dir = REMOTE_DIR / "stages"
+    common_settings = set(pipeline.COMMON_SETTINGS)
     for stage in pipeline.ORDER:
-        read = set(re.findall(pattern, (REMOTE_DIR / "stages" / f"{stage}.py").read_text()))
-        declared = set(pipeline.READS[stage]) | set(pipeline.COMMON_SETTINGS)
+        tree = _tree(stages_dir / f"{stage}.py")
+        read = _settings_read(tree)
+        declared = set(pipeline.READS[stage])
         assert read, stage
-        assert read <= declared, (stage, read - declared)
-    # the shared helpers' settings (device, dtype, capture layers) belong to some stage's list
-    common = set(re.findall(pattern, (REMOTE_DIR / "stages" / "common.py").read_text()))
-    assert common <= declared_anywhere, common - declared_anywhere
+        assert read <= declared | common_settings, (stage, read - declared - common_settings)
+        assert declared <= read, (stage, declared - read)  # declared but never read
+        assert not _pipeline_lookups(tree), (stage, _pipeline_lookups(tree))
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "common.settings"]
+        assert [(ast.unparse(c.targets[0]), ast.unparse(c.value)) for c in calls] == \
+            [("cfg", "common.settings(spec, SETTINGS)")], stage
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        assert any(n is calls[0] for n in ast.walk(main)), stage  # read in main, once
+    # the shared helpers read only the common settings; the stage library reads none (plain arguments)
+    common_tree = _tree(stages_dir / "common.py")
+    assert _settings_read(common_tree) <= common_settings, _settings_read(common_tree) - common_settings
+    settings_fn = next(n for n in common_tree.body if isinstance(n, ast.FunctionDef) and n.name == "settings")
+    outside = [n for n in common_tree.body if n is not settings_fn]
+    assert not [x for n in outside for x in _pipeline_lookups(n)]
+    for path in sorted((stages_dir / "lib").rglob("*.py")):
+        tree = _tree(path)
+        assert not _settings_read(tree) and not _pipeline_lookups(tree), path
+
+
+def test_no_stage_imports_another():
+    """Model code two stages share lives in stages/lib/, so each stage reads top to bottom on its own."""
+    import ast
+
+    from harness import REMOTE_DIR
+
+    stages = set(pipeline.ORDER)
+    for path in [*(REMOTE_DIR / "stages").glob("*.py"), *(REMOTE_DIR / "stages" / "lib").rglob("*.py")]:
+        for node in ast.walk(_tree(path)):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            hit = [n for n in names if n.split(".")[0] == "stages" and n.split(".")[1:2] and n.split(".")[1] in stages]
+            assert not hit, (path, hit)
+
+
+def test_pipeline_spec_defaults_are_the_stage_contracts():
+    """One place for each default: every PipelineSpec field defaults to what the stage contracts
+    declare, every declared setting is a field, and the pipeline's shape comes from the contracts."""
+    from harness import stagecontract
+    from harness.inventory import PipelineSpec
+
+    contracts = stagecontract.load()
+    declared = contracts.defaults()
+    fields = PipelineSpec.model_fields
+    assert set(fields) == set(declared), (set(fields) ^ set(declared))
+    for name, info in fields.items():
+        value = info.get_default(call_default_factory=True)
+        assert value == declared[name] and type(value) is type(declared[name]), (name, value, declared[name])
+    # a setting several stages read has one default, and each stage's list is its own
+    assert PipelineSpec().heldout == 16 and PipelineSpec().seed == 0
+    assert PipelineSpec().extra is not PipelineSpec().extra  # a fresh dict each time
+    assert pipeline.ORDER == ["prepare", "extract", "vocab", "train", "evaluate"]
+    assert pipeline.PIPELINE == {"prepare": (), "extract": ("prepare",), "vocab": ("extract",),
+                                 "train": ("extract", "vocab"), "evaluate": ("prepare", "extract", "train")}
+    assert pipeline.GPU_STAGES == {"prepare", "extract", "train", "evaluate"}
+    assert pipeline.COMMON_SETTINGS == ("device", "dtype", "threads", "extra")
+    assert set(pipeline.READS["vocab"]) == {"draft_vocab_size"}
+    assert {"lr", "epochs", "k"} <= set(pipeline.READS["train"]) and "lr" not in pipeline.READS["evaluate"]
+
+
+def test_reading_the_contracts_imports_no_torch():
+    """The inventory (hence every inv task) reads the contracts: from the source, never by importing."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys, time; t = time.perf_counter(); import harness.inventory; harness.inventory.PipelineSpec(); "
+            "print(time.perf_counter() - t); "
+            "assert not {'torch', 'transformers', 'stages'} & set(sys.modules), sorted(sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _remote_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    from harness import REMOTE_DIR
+
+    root = tmp_path / "remote"
+    for part in ("stages", "runtime"):
+        shutil.copytree(REMOTE_DIR / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_stage_code_hash_covers_the_stage_library(tmp_path):
+    """A change to stages/lib/ (or common.py) changes every stage's run id; a stage's own module only its."""
+    root = _remote_copy(tmp_path)
+    before = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
+    assert before == {s: pipeline.stage_code_hash(s) for s in pipeline.ORDER}  # a copy hashes the same
+    lib = root / "stages" / "lib" / "batching.py"
+    lib.write_text(lib.read_text() + "\n# changed\n")
+    after = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
+    assert all(after[s] != before[s] for s in pipeline.ORDER)
+    vocab = root / "stages" / "vocab.py"
+    vocab.write_text(vocab.read_text() + "\n# changed\n")
+    again = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
+    assert [again[s] != after[s] for s in pipeline.ORDER] == [False, False, True, False, False]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("prepare.py", '"heldout": 16,', '"heldout": 0,'), None),  # prepare's own: fine (evaluate does not declare it)
+    (("evaluate.py", '"k": 3,', '"k": 4,'), "SETTINGS.k defaults to 4 but stage train declares 3"),
+    (("evaluate.py", '"max_new_tokens": 128,', '"max_new_tokens": 128.0,'), "SETTINGS.max_new_tokens"),
+    (("vocab.py", 'READS = ("extract",)', 'READS = ("extrakt",)'), "READS names 'extrakt', which is not another stage"),
+    (("prepare.py", 'READS = ()', 'READS = ("evaluate",)'), "form a cycle"),
+    (("vocab.py", 'GPU = False', 'GPU = bool(0)'), "GPU must be a plain literal"),
+    (("vocab.py", '"draft_vocab_size": 32000,', '"draft_vocab_size": 32000, "device": "cpu",'),
+     "SETTINGS.device is in common.py's COMMON_SETTINGS"),
+])
+def test_a_broken_contract_is_one_line_naming_the_file(tmp_path, edit, message):
+    from harness import stagecontract
+
+    root = _remote_copy(tmp_path)
+    name, old, new = edit
+    path = root / "stages" / name
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new, 1))
+    if message is None:
+        assert stagecontract.load(root).stages["prepare"].settings["heldout"] == 0
+        return
+    with pytest.raises(stagecontract.ContractError) as e:
+        stagecontract.load(root)
+    text = str(e.value)
+    assert message in text and "\n" not in text, text
+    assert text.startswith(str(root.resolve() / "stages")), text
 
 
 def test_stage_inputs_match_what_stages_open():

@@ -180,6 +180,67 @@ def test_prepare_refuses_a_missing_dataset(tmp_path, tiny, dataset, message):
         prepare.main(stage_spec(tmp_path, "prepare", tiny, dataset=dataset))
 
 
+def test_a_malformed_jsonl_dataset_is_one_line_naming_the_file_and_line(tmp_path, tiny, patched_speculators):
+    """Through the runner, as on a host: one line naming the file and the broken line, no traceback
+    (datasets' own loader prints three chained ones naming neither)."""
+    import re
+
+    path = tmp_path / "chats.jsonl"
+    rows = [json.dumps({"conversations": [{"from": "human", "value": f"q {i}"}, {"from": "gpt", "value": f"a {i}"}]})
+            for i in range(9)]
+    rows[6] = rows[6][:-2]  # line 7 loses its closing brackets
+    path.write_text("\n".join(rows) + "\n")
+    spec = stage_spec(tmp_path, "prepare", tiny, dataset=str(path), samples=4, heldout=2, regenerate=False)
+    proc = run_cli(patched_speculators, spec, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    named = [line for line in out.splitlines() if str(path) in line]
+    assert len(named) == 1, out[-3000:]
+    assert re.fullmatch(rf"@@harness stage prepare failed: dataset {re.escape(str(path))}:7: not valid JSON "
+                        rf"\(.+, column \d+\); .+", named[0]), named[0]
+    assert not (Path(spec["run_dir"]) / "result.json").exists()
+
+
+@pytest.mark.parametrize("name, text, where", [
+    # a JSON document (not JSON lines) in a .json file: the line of the error inside it
+    ("chats.json", '[\n  {"messages": []},\n  {"messages": [}\n]\n', ":3: not valid JSON (Expecting value, column 17)"),
+    # JSON lines in a .json file: line by line
+    ("chats.json", '{"messages": []}\n\n{"messages": [\n', ":3: not valid JSON ("),
+    ("chats.jsonl", '{"messages": []}\n[1, 2]\n', ":2: a JSON list, not an object (one conversation per line)"),
+    ("chats.jsonl", b'{"messages": []}\n{"messages": "\xff"}\n', ":2: not UTF-8 text"),
+])
+def test_prepare_names_the_line_of_a_broken_json_dataset(tmp_path, tiny, name, text, where):
+    from stages import prepare
+
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(SystemExit) as refused:
+        prepare.main(stage_spec(tmp_path, "prepare", tiny, dataset=str(path), regenerate=False))
+    assert str(refused.value).startswith(f"stage prepare: dataset {path}{where}"), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_stage_settings_are_the_contract_defaults_overridden_by_the_spec():
+    """common.settings: declared settings only, the spec's value where set (converted as the stage uses
+    it), the contract's default where absent, null or empty; an undeclared one cannot be read."""
+    from stages import common, prepare, train
+
+    cfg = common.settings({"stage": "prepare", "pipeline": {
+        "samples": "12", "heldout": None, "dataset": "", "seed": 0, "lr": 5.0, "threads": 2}}, prepare.SETTINGS)
+    assert set(cfg) == set(prepare.SETTINGS) | set(common.COMMON_SETTINGS)
+    assert cfg.samples == 12 and type(cfg.samples) is int
+    assert cfg.heldout == prepare.SETTINGS["heldout"] == 16 and cfg.dataset == "builtin:prompts" and cfg.seed == 0
+    assert cfg.threads == 2 and cfg.device == "auto" and cfg.regenerate is True
+    with pytest.raises(AttributeError, match="'lr' is not declared"):
+        cfg.lr  # noqa: B018  (train's setting, not prepare's)
+    cfg = common.settings({"stage": "train", "pipeline": {"lr": 1, "val_fraction": 0, "compile": None}}, train.SETTINGS)
+    assert cfg.lr == 1.0 and type(cfg.lr) is float and cfg.val_fraction == 0.0 and cfg.compile is None
+    assert cfg.extra == {} and cfg.extra is not common.COMMON_SETTINGS["extra"]
+    with pytest.raises(SystemExit, match=r"^stage train: pipeline.epochs is 'many', not an integer; fix pipeline.epochs$"):
+        common.settings({"stage": "train", "pipeline": {"epochs": "many"}}, train.SETTINGS)
+
+
 # ---------------------------------------------------------------------------------------------------
 # extract
 
@@ -245,7 +306,9 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
     """generate() and HfCapture run the tokens all rows start with (the chat template's system prompt)
     once and the rest on their KV cache. Replies and captured states must be those of the plain batch."""
     import torch
-    from stages import common, extract, prepare
+    from stages.lib import batching
+    from stages.lib.capture import HfCapture
+    from stages.lib.generation import generate
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny)
@@ -255,19 +318,20 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for q in questions]
     shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
-    assert shared >= common.SHARED_PREFIX_MIN  # the system prompt is long enough to be shared
-    assert common.shared_prefix(prompts) == shared
+    assert shared >= batching.SHARED_PREFIX_MIN  # the system prompt is long enough to be shared
+    assert batching.shared_prefix(prompts) == shared
 
-    replies = prepare.generate(model, tok, prompts, 12, "cpu")
+    replies = generate(model, tok, prompts, 12, "cpu")
     sequences = [p + r for p, r in zip(prompts, replies)]
-    batch = extract.right_padded(sequences)
-    capture = extract.HfCapture(model, [1, 4, 6, 7])
+    batch = batching.right_padded(sequences)
+    capture = HfCapture(model, [1, 4, 6, 7])
     states = capture(batch)
 
-    monkeypatch.setattr(common, "SHARED_PREFIX_MIN", 10**9)  # from here on: the plain batch
-    assert replies == prepare.generate(model, tok, prompts, 12, "cpu")
+    monkeypatch.setattr(batching, "SHARED_PREFIX_MIN", 10**9)  # from here on: the plain batch
+    assert batching.shared_prefix(prompts) == 0
+    assert replies == generate(model, tok, prompts, 12, "cpu")
     # and each row as if alone
-    assert replies == [prepare.generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
+    assert replies == [generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
     plain = capture(batch)
     for row, seq in enumerate(sequences):
         for a, b in zip(states, plain):
@@ -363,25 +427,27 @@ COMPARE_FORWARDS = r'''
 import numpy as np
 import torch
 from speculators.models.eagle3 import Eagle3DraftModel
-from stages import train
+from stages import common, train
+from stages.lib import draft
 
 torch.compiler.set_stance("force_eager")
 torch.manual_seed(0)
 arts = {k: Path(v) for k, v in spec["inputs"].items()}
 meta = json.loads((arts["extract"] / "extract.json").read_text())
 d2t, t2d = (torch.from_numpy(np.load(arts["vocab"] / f)) for f in ("d2t.npy", "t2d.npy"))
-config = train.draft_config(spec["model"]["path"], spec, int(d2t.shape[0]), meta["eagle_aux_hidden_state_layer_ids"])
+cfg = common.settings(spec, train.SETTINGS)
+config = train.draft_config(spec["model"]["path"], spec, cfg, int(d2t.shape[0]), meta["eagle_aux_hidden_state_layer_ids"])
 model = Eagle3DraftModel(config=config, t2d=t2d, d2t=d2t)
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 files = sorted((arts["extract"] / "data").glob("data_*.pt"))
 report = {"batches": 0, "unscored": 0.0, "loss": 0.0, "grad": 0.0, "metric": 0.0, "metrics": set()}
-for batch in train.loader(files, spec["pipeline"], 0, 1, train=False):
+for batch in train.loader(files, cfg, 0, 1, train=False):
     report["batches"] += 1
     report["unscored"] = max(report["unscored"], 1 - batch["loss_mask"].float().mean().item())
     for verified in (False, True):
         call = {"ttt_steps": 3, "use_off_policy_tokens": verified}
         out = []
-        for forward in (Eagle3DraftModel.forward, train.loss_positions_forward):
+        for forward in (Eagle3DraftModel.forward, draft.loss_positions_forward):
             model.zero_grad()
             _, loss, metrics = forward(model, **batch, **call)
             loss.backward()
@@ -400,7 +466,7 @@ print("COMPARED " + json.dumps(report))
 
 
 def test_train_forward_on_loss_positions_matches_speculators_forward(pipeline_run, patched_speculators):
-    """stages.train.loss_positions_forward (bound to the draft on CPU) runs TTT steps > 0 and the logits
+    """stages.lib.draft.loss_positions_forward (bound to the draft by train on CPU) runs TTT steps > 0 and the logits
     only where they reach the loss. It must give speculators' own loss, gradients and metrics, with the
     verified tokens and with the draft's own, on the real packed batches of the tiny pipeline, at
     initialisation and after optimiser steps."""
@@ -453,7 +519,7 @@ LITERAL_LOOP = r'''
 import torch
 from pathlib import Path
 from stages.evaluate import load_draft, draft_chains
-from stages.extract import HfCapture
+from stages.lib.capture import HfCapture
 from transformers import AutoModelForCausalLM, AutoTokenizer
 spec = specs[-1]; arts = spec["inputs"]
 torch.compiler.set_stance("force_eager")

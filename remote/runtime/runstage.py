@@ -32,6 +32,12 @@ def main(argv):
     except KeyboardInterrupt:
         print("@@harness stage %s interrupted" % spec["stage"], flush=True)
         return 130
+    except SystemExit as e:
+        if isinstance(e.code, str):  # a user error the stage explains in one line (common.fail): no traceback
+            why = e.code[len("stage %s: " % spec["stage"]):] if e.code.startswith("stage %s: " % spec["stage"]) else e.code
+            print("@@harness stage %s failed: %s" % (spec["stage"], why), flush=True)
+            return 1
+        raise
     except Exception as e:
         traceback.print_exc()
         sys.stderr.flush()

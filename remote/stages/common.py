@@ -1,9 +1,12 @@
-"""What every stage shares: the spec's paths, progress lines, one-line errors, device choice, the target
-model (including the GGUF-to-directory cache) and the capture-layer convention.
+"""What every stage shares: the settings every stage reads and the one way a stage reads its settings,
+the spec's paths, progress lines, one-line errors, device choice, the target model (including the
+GGUF-to-directory cache) and the capture-layer convention. Model code that several stages run is in
+``stages/lib/``.
 
 Kept small on purpose: a stage file should read top to bottom without jumping here for its logic.
 """
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -15,7 +18,50 @@ import tempfile
 import time
 from pathlib import Path
 
+COMMON_SETTINGS = {          # pipeline settings every stage reads (device, compute_dtype), with their defaults
+    "device": "auto",        # torch device: auto (cuda when torch sees one), cpu, cuda, cuda:N
+    "dtype": "auto",         # compute dtype: auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16
+    "threads": 0,            # torch intra-op threads; 0: torch's default (every core)
+    "extra": {},             # free-form settings of your own: no stage reads them, every run id hashes them
+}
+
 BUILTIN_DATA = Path(__file__).resolve().parent / "data"  # the shipped prompt sets, in the code bundle
+
+
+# ---------------------------------------------------------------------------------------------------
+# settings
+
+
+class Settings(dict):
+    """A stage's settings, read as attributes (``cfg.lr``); one the stage did not declare is an error."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"pipeline setting {name!r} is not declared in the stage's SETTINGS "
+                                 "nor in common.COMMON_SETTINGS") from None
+
+
+def settings(spec: dict, declared: dict) -> Settings:
+    """The settings a stage declared (its ``SETTINGS``, plus ``COMMON_SETTINGS``): the run spec's
+    ``pipeline`` values, the declared default where a value is unset (absent, null or ""). A value is
+    converted to its default's type (int, float, bool, str), as each setting is used; settings the
+    stage did not declare are not in the result."""
+    given = spec.get("pipeline") or {}
+    cfg = Settings()
+    for name, default in {**COMMON_SETTINGS, **declared}.items():
+        value = given.get(name)
+        if value is None or value == "":
+            value = copy.deepcopy(default)
+        elif type(default) in (int, float, bool, str):
+            try:
+                value = type(default)(value)
+            except (TypeError, ValueError):
+                kind = {int: "an integer", float: "a number", str: "a string"}[type(default)]
+                fail(spec.get("stage", "?"), f"pipeline.{name} is {value!r}, not {kind}; fix pipeline.{name}")
+        cfg[name] = value
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -106,15 +152,15 @@ def data_generation(module: str):
 # device
 
 
-def device(pipeline: dict) -> str:
+def device(cfg: Settings) -> str:
     """``pipeline.device`` (auto: cuda when torch sees one); also applies ``pipeline.threads``."""
     import torch
 
-    if int(pipeline.get("threads") or 0) > 0:
+    if cfg.threads > 0:
         # on a CPU shared with other work, fewer intra-op threads than cores avoids OpenMP barriers
         # waiting on descheduled threads (measured: 10x slower decode with 2 threads under load)
-        torch.set_num_threads(int(pipeline["threads"]))
-    want = pipeline.get("device") or "auto"
+        torch.set_num_threads(cfg.threads)
+    want = cfg.device
     if want == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if want.startswith("cuda") and not torch.cuda.is_available():
@@ -122,11 +168,11 @@ def device(pipeline: dict) -> str:
     return want
 
 
-def compute_dtype(pipeline: dict, dev: str):
+def compute_dtype(cfg: Settings, dev: str):
     """fp32 on CPU (most CPUs have no fast bf16 matmul), bf16 on GPUs, unless pipeline.dtype says."""
     import torch
 
-    name = pipeline.get("dtype") or "auto"
+    name = cfg.dtype
     if name == "auto":
         return torch.float32 if dev == "cpu" else torch.bfloat16
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -259,40 +305,18 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
-def decoder_layers(model):
-    """The decoder layer list, through the language-model accessor where the model has one."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    if hasattr(decoder, "language_model"):
-        decoder = decoder.language_model
-    return decoder, decoder.layers
-
-
-SHARED_PREFIX_MIN = 8  # a shorter shared prefix is not worth a forward call of its own
-
-
-def shared_prefix(rows: list[list[int]]) -> int:
-    """How many leading tokens every row of a batch shares (a chat template's system prompt), for
-    generation and capture to run once: at most the shortest row's length - 1, so every row keeps a
-    token of its own; 0 for a single row or fewer than ``SHARED_PREFIX_MIN`` shared tokens."""
-    if len(rows) < 2:
-        return 0
-    shared, shortest = 0, min(len(row) for row in rows)
-    while shared < shortest - 1 and all(row[shared] == rows[0][shared] for row in rows):
-        shared += 1
-    return shared if shared >= SHARED_PREFIX_MIN else 0
-
-
 # ---------------------------------------------------------------------------------------------------
 # capture layers: the off-by-one between speculators and vLLM
 
 
-def capture_layers(pipeline: dict, num_layers: int, stage: str) -> list[int]:
-    """Decoder layers whose OUTPUT is captured; default speculators' [2, n//2, n-3, n-1].
+def capture_layers(layers: list[int] | None, num_layers: int, stage: str) -> list[int]:
+    """Decoder layers whose OUTPUT is captured (``pipeline.capture_layers``); unset: speculators'
+    [2, n//2, n-3, n-1].
 
     Three feed the draft (concatenated, 3 x hidden), the last one gives the training targets through
     the verifier's lm_head, as speculators' data format v1 expects: so exactly four, ascending.
     """
-    layers = pipeline.get("capture_layers") or [2, num_layers // 2, num_layers - 3, num_layers - 1]
+    layers = layers or [2, num_layers // 2, num_layers - 3, num_layers - 1]
     for layer in layers:
         if not 0 <= layer < num_layers:
             fail(stage, f"layer {layer} out of range: the model has {num_layers} layers "

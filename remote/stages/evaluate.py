@@ -24,10 +24,22 @@ Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, step
 import json
 
 from stages import common
-from stages.extract import HfCapture, right_padded
-from stages.prepare import generate
+from stages.lib.batching import right_padded
+from stages.lib.capture import HfCapture
+from stages.lib.generation import generate
 
 STAGE = "evaluate"
+READS = ("prepare", "extract", "train")  # prepare's heldout.jsonl, extract's capture layers, train's checkpoint
+GPU = True                   # runs the target and the draft
+SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "k": 3,                        # draft tokens per speculative step
+    "max_new_tokens": 128,         # the longest continuation of a held-out prompt
+    "max_seq_len": 512,            # vllm: its max_model_len is this + max_new_tokens
+    "batch_size": 8,               # prompts generated and captured together
+    "backend": "hf",               # vllm: also measure vLLM's own acceptance, when vLLM is on the host
+    "tensor_parallel": 1,          # vllm: GPUs the target is split over
+    "compile": None,               # torch.compile the draft; unset: only on CUDA
+}
 
 
 def load_draft(checkpoint):
@@ -87,18 +99,17 @@ def walk(sequence: list[int], chains: list[list[int]], prompt_len: int, k: int) 
     return accepted
 
 
-def evaluate_vllm(spec, model_path, checkpoint, prompts, k) -> dict:
+def evaluate_vllm(spec, cfg, model_path, checkpoint, prompts, k) -> dict:
     """vLLM's own acceptance counters with the checkpoint as EAGLE-3 speculative model."""
     from vllm import LLM, SamplingParams
 
-    pipeline = spec["pipeline"]
     llm = LLM(model=model_path, trust_remote_code=bool(spec["model"].get("trust_remote_code")),
-              tensor_parallel_size=int(pipeline.get("tensor_parallel") or 1),
-              max_model_len=int(pipeline.get("max_seq_len") or 512) + int(pipeline.get("max_new_tokens") or 128),
+              tensor_parallel_size=cfg.tensor_parallel,
+              max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
               speculative_config={"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k},
               disable_log_stats=False)  # get_metrics() needs the stat loggers (LLM turns them off)
     llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=int(pipeline.get("max_new_tokens") or 128)))
+                 SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens))
     counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     drafts = counters.get("vllm:spec_decode_num_drafts", 0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -111,15 +122,15 @@ def main(spec: dict) -> dict:
 
     import torch
 
+    cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
-    pipeline = spec.setdefault("pipeline", {})
     out = common.artifacts(spec)
     prepared, extracted = common.input_dir(spec, "prepare"), common.input_dir(spec, "extract")
     checkpoint = common.input_dir(spec, "train") / "checkpoint"
     layers = json.loads((extracted / "extract.json").read_text())["capture_layers"]
-    k = int(pipeline.get("k") or 3)
-    dev = common.device(pipeline)
-    if not pipeline.get("compile", dev.startswith("cuda")):
+    k = cfg.k
+    dev = common.device(cfg)
+    if not (dev.startswith("cuda") if cfg.compile is None else cfg.compile):
         torch.compiler.set_stance("force_eager")  # see stages/train.py
 
     heldout = [json.loads(line)["messages"] for line in (prepared / "heldout.jsonl").read_text().splitlines()]
@@ -128,13 +139,13 @@ def main(spec: dict) -> dict:
 
     model_path = common.model_dir(spec)
     tokenizer = common.load_tokenizer(spec, model_path)
-    target = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
+    target = common.load_model(spec, model_path, dev, common.compute_dtype(cfg, dev))
     capture = HfCapture(target, layers)
     draft = load_draft(checkpoint).to(dev)
 
     prompts = [tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for m in heldout]
-    max_new, batch_size = int(pipeline.get("max_new_tokens") or 128), int(pipeline.get("batch_size") or 8)
+    max_new, batch_size = cfg.max_new_tokens, cfg.batch_size
     accepted, generated = [], 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), batch_size):
@@ -158,8 +169,8 @@ def main(spec: dict) -> dict:
         "acceptance_rate_per_position": [round(reached[s + 1] / reached[s], 4) if reached[s] else 0.0
                                          for s in range(k)],
     }
-    if pipeline.get("backend") == "vllm" and importlib.util.find_spec("vllm") is not None:
-        metrics.update(evaluate_vllm(spec, model_path, checkpoint, prompts, k))
+    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is not None:
+        metrics.update(evaluate_vllm(spec, cfg, model_path, checkpoint, prompts, k))
     common.write_json(out / "metrics.json", metrics)
     return {**metrics, "seconds": timer()}
 

@@ -24,8 +24,20 @@ import os
 from pathlib import Path
 
 from stages import common
+from stages.lib.batching import right_padded
+from stages.lib.capture import HfCapture
 
 STAGE = "extract"
+READS = ("prepare",)         # the stages whose artifacts this one reads: prepare's dataset/
+GPU = True                   # runs the target
+SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "capture_layers": None,        # 4 decoder layers whose output is captured; unset: [2, n//2, n-3, n-1]
+    "backend": "hf",               # hf (transformers forward with hooks) or vllm (speculators' generator)
+    "batch_size": 8,               # samples per forward
+    "max_seq_len": 512,            # the longest sample (vllm: its max_model_len is this + 1)
+    "tensor_parallel": 1,          # vllm: GPUs the target is split over
+    "gpu_memory_utilization": 0.8,  # vllm: the fraction of each GPU's memory it may take
+}
 
 
 def save_sample(path: Path, input_ids, hidden_states, loss_mask):
@@ -40,56 +52,6 @@ def save_sample(path: Path, input_ids, hidden_states, loss_mask):
     tmp = path.with_name(path.name + ".tmp")
     torch.save(sample, tmp)
     os.replace(tmp, path)
-
-
-class HfCapture:
-    """Decoder forward with hooks that keep the output of the capture layers (the layers' own output,
-    before the final norm; transformers' ``output_hidden_states`` would hold all n+1 states and replace
-    the last one with the normed state)."""
-
-    def __init__(self, model, layers: list[int]):
-        self.decoder, blocks = common.decoder_layers(model)
-        self.layers, self.captured = layers, {}
-        self.hooks = [blocks[layer].register_forward_hook(self._hook(layer)) for layer in layers]
-
-    def _hook(self, layer):
-        def keep(_module, _args, output):
-            self.captured[layer] = output[0] if isinstance(output, tuple) else output
-        return keep
-
-    def __call__(self, input_ids):
-        """Captured states ``[rows, seq, hidden]`` per layer. The leading tokens every row shares (a chat
-        template's system prompt: a quarter of the default's tokens) run once, and the rest of each row
-        runs on their KV cache: the same states, in a quarter less time."""
-        import torch
-
-        rows = input_ids.shape[0]
-        shared = common.shared_prefix(input_ids.tolist())
-        self.captured = {}
-        with torch.inference_mode():
-            if not shared:
-                self.decoder(input_ids=input_ids, use_cache=False)
-                return [self.captured[layer] for layer in self.layers]
-            cache = self.decoder(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values
-            prefix = [self.captured[layer].expand(rows, -1, -1) for layer in self.layers]
-            cache.batch_repeat_interleave(rows)
-            self.decoder(input_ids=input_ids[:, shared:], past_key_values=cache, use_cache=True)
-            return [torch.cat([p, self.captured[layer]], dim=1) for p, layer in zip(prefix, self.layers)]
-
-    def close(self):
-        for hook in self.hooks:
-            hook.remove()
-
-
-def right_padded(sequences) -> "torch.Tensor":
-    """Token sequences as one ``[rows, longest]`` batch, right-padded with 0: with causal attention a
-    real token never sees the padding after it, so no attention mask is needed."""
-    import torch
-
-    batch = torch.zeros((len(sequences), max(len(s) for s in sequences)), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        batch[row, :len(sequence)] = torch.as_tensor(sequence)
-    return batch
 
 
 def batches(dataset, todo: list[int], batch_size: int):
@@ -112,15 +74,13 @@ def write_samples(capture: HfCapture, dataset, todo: list[int], out: Path, batch
         common.progress(done, len(dataset), "samples")
 
 
-def extract_hf(spec, dataset, todo, layers, out, model_path):
-    pipeline = spec["pipeline"]
-    dev = common.device(pipeline)
-    model = common.load_model(spec, model_path, dev, common.compute_dtype(pipeline, dev))
-    write_samples(HfCapture(model, layers), dataset, todo, out, int(pipeline.get("batch_size") or 8), dev)
+def extract_hf(spec, cfg, dataset, todo, layers, out, model_path):
+    dev = common.device(cfg)
+    model = common.load_model(spec, model_path, dev, common.compute_dtype(cfg, dev))
+    write_samples(HfCapture(model, layers), dataset, todo, out, cfg.batch_size, dev)
 
 
-def extract_vllm(spec, dataset, todo, layers, out, model_path):
-    pipeline = spec["pipeline"]
+def extract_vllm(spec, cfg, dataset, todo, layers, out, model_path):
     try:
         import vllm  # noqa: F401  (its absence is the common mistake: say so in one line)
         from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
@@ -130,11 +90,11 @@ def extract_vllm(spec, dataset, todo, layers, out, model_path):
     generator = VllmHiddenStatesGenerator(
         model_path=model_path,
         layer_ids=layers,
-        max_model_len=int(pipeline.get("max_seq_len") or 512) + 1,  # it keeps len(prompt) + 1 <= max
-        gpu_memory_utilization=float(pipeline.get("gpu_memory_utilization") or 0.8),
-        tensor_parallel_size=int(pipeline.get("tensor_parallel") or 1),
+        max_model_len=cfg.max_seq_len + 1,  # it keeps len(prompt) + 1 <= max
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel,
     )
-    batch_size = int(pipeline.get("batch_size") or 8)
+    batch_size = cfg.batch_size
     done = len(dataset) - len(todo)
     for start in range(0, len(todo), batch_size):
         index = todo[start:start + batch_size]
@@ -152,8 +112,8 @@ def main(spec: dict) -> dict:
     from speculators.train.vocab_mapping import save_token_frequency_distribution
     from transformers import AutoConfig
 
+    cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
-    pipeline = spec.setdefault("pipeline", {})
     out = common.artifacts(spec)
     data = out / "data"
     data.mkdir(exist_ok=True)
@@ -162,14 +122,14 @@ def main(spec: dict) -> dict:
 
     model_path = common.model_dir(spec)
     config = common.text_config(AutoConfig.from_pretrained(model_path, **common.hub_kwargs(spec)))
-    layers = common.capture_layers(pipeline, config.num_hidden_layers, STAGE)
+    layers = common.capture_layers(cfg.capture_layers, config.num_hidden_layers, STAGE)
 
     todo = [i for i in range(len(dataset)) if not (data / f"data_{i}.pt").is_file()]
     if len(todo) < len(dataset):
         common.log(f"resuming: {len(dataset) - len(todo)} of {len(dataset)} samples already written")
-    backend = pipeline.get("backend") or "hf"
+    backend = cfg.backend
     if todo:
-        (extract_vllm if backend == "vllm" else extract_hf)(spec, dataset, todo, layers, data, model_path)
+        (extract_vllm if backend == "vllm" else extract_hf)(spec, cfg, dataset, todo, layers, data, model_path)
 
     freq = out / "token_freq.pt"
     freq.unlink(missing_ok=True)  # speculators' function keeps an existing file; count this dataset

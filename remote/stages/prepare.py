@@ -1,7 +1,8 @@
 """Stage prepare: conversations -> chat-templated token ids with assistant-only loss masks.
 
 Reads ``pipeline.dataset`` (``builtin:<name>`` for ``remote/stages/data/<name>.jsonl``, a local .jsonl/.json/
-.parquet file, or a hub dataset id with ``pipeline.dataset_split``), in ShareGPT form
+.parquet file, or a hub dataset id with ``pipeline.dataset_split``); a JSON file with a line that does
+not parse stops the stage with one line naming the file and the line. Rows are in ShareGPT form
 (``conversations: [{from, value}]``) or OpenAI form (``messages: [{role, content}]``). Shuffles with
 ``pipeline.seed`` and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout``
 others whose prompts only go to evaluate (never trained on).
@@ -20,32 +21,89 @@ import random
 from pathlib import Path
 
 from stages import common
+from stages.lib.generation import generate
 
 STAGE = "prepare"
+READS = ()                   # the stages whose artifacts this one reads: none, it starts the pipeline
+GPU = True                   # regenerating the replies runs the target
+SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "dataset": "builtin:prompts",  # builtin:<name> (stages/data/<name>.jsonl), a .jsonl/.json/.parquet, a hub id
+    "dataset_split": "train",      # the split of a hub dataset
+    "samples": 64,                 # conversations kept for training
+    "heldout": 16,                 # other conversations whose prompts only evaluate sees
+    "seed": 0,                     # the shuffle before samples and heldout are taken
+    "regenerate": True,            # rewrite every assistant turn with the target's own greedy reply
+    "max_new_tokens": 128,         # tokens per regenerated reply
+    "max_seq_len": 512,            # tokens per sample (prompt + reply), longer ones truncated
+    "batch_size": 8,               # prompts generated together
+}
 
 
-def load_conversations(pipeline: dict) -> list[list[dict]]:
+def check_json(path: Path):
+    """Stop at the first line of a JSON dataset file that does not parse, in one line naming the file
+    and the line (datasets' loader names neither, in three chained tracebacks). JSON lines (a .jsonl,
+    or a .json whose first line is an object) are read line by line, any other .json as one document."""
+    def bad(line: int, problem: str):
+        common.fail(STAGE, f"dataset {path}:{line}: {problem}; fix that line or pipeline.dataset")
+
+    with open(path, "rb") as f:
+        first = next((line for line in f if line.strip()), b"")
+        if path.suffix == ".json" and not isinstance(_parsed(first), dict):  # one JSON document
+            f.seek(0)
+            raw = f.read()
+            try:
+                json.loads(raw)
+            except UnicodeDecodeError as e:
+                bad(raw[:e.start].count(b"\n") + 1, "not UTF-8 text")
+            except json.JSONDecodeError as e:
+                bad(e.lineno, f"not valid JSON ({e.msg}, column {e.colno})")
+            return
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip(b"\r\n"))  # a column past the end, not on the next line
+            except UnicodeDecodeError:
+                bad(number, "not UTF-8 text")
+            except json.JSONDecodeError as e:
+                bad(number, f"not valid JSON ({e.msg}, column {e.colno})")
+            if not isinstance(row, dict):
+                bad(number, f"a JSON {type(row).__name__}, not an object (one conversation per line)")
+
+
+def _parsed(line: bytes):
+    try:
+        return json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+        return None
+
+
+def load_conversations(cfg: common.Settings) -> list[list[dict]]:
     """The dataset's rows as role/content turn lists (speculators' normalisation of ShareGPT/OpenAI)."""
     from datasets import load_dataset
 
     _normalize_conversation = common.data_generation("preprocessing")._normalize_conversation
 
-    name = pipeline.get("dataset") or "builtin:prompts"
+    name = cfg.dataset
     if name.startswith("builtin:"):
         path = common.BUILTIN_DATA / (name.split(":", 1)[1] + ".jsonl")
         if not path.is_file():
             shipped = ", ".join("builtin:" + p.stem for p in sorted(common.BUILTIN_DATA.glob("*.jsonl")))
             common.fail(STAGE, f"no built-in dataset {name!r} (shipped: {shipped}); fix pipeline.dataset")
+        check_json(path)
         rows = load_dataset("json", data_files=str(path), split="train")
     elif name.endswith((".jsonl", ".json", ".parquet")) or Path(name).expanduser().exists():
         path = Path(name).expanduser()
         if not path.is_file():
             common.fail(STAGE, f"dataset file not found: {path}; fix pipeline.dataset")
         kind = "parquet" if path.suffix == ".parquet" else "json"
+        if kind == "json":
+            check_json(path)
         rows = load_dataset(kind, data_files=str(path), split="train")
     else:
         try:
-            rows = load_dataset(name, split=pipeline.get("dataset_split") or "train")
+            rows = load_dataset(name, split=cfg.dataset_split)
         except Exception as e:  # the hub's messages are long; keep the first line
             common.fail(STAGE, f"cannot load hub dataset {name!r}: {str(e).splitlines()[0]}; fix pipeline.dataset")
 
@@ -56,12 +114,10 @@ def load_conversations(pipeline: dict) -> list[list[dict]]:
     return [_normalize_conversation(conv) for conv in rows[column] if conv]
 
 
-def regenerate(conversations: list[list[dict]], model, tokenizer, pipeline: dict, dev: str) -> list[list[dict]]:
+def regenerate(conversations: list[list[dict]], model, tokenizer, cfg: common.Settings, dev: str) -> list[list[dict]]:
     """Rewrite every assistant turn with the target's own greedy continuation, one turn index at a time
     over all conversations (turn r sees the regenerated turns before it), batched by prompt length."""
-    max_new = int(pipeline.get("max_new_tokens") or 128)
-    budget = int(pipeline.get("max_seq_len") or 512) - max_new
-    batch_size = int(pipeline.get("batch_size") or 8)
+    max_new, budget, batch_size = cfg.max_new_tokens, cfg.max_seq_len - cfg.max_new_tokens, cfg.batch_size
     prompts = [[t for t in conv if t["role"] != "assistant"] for conv in conversations]
     user_turns = [[i for i, t in enumerate(p) if t["role"] == "user"] for p in prompts]
     out, taken, stopped = [[] for _ in prompts], [0] * len(prompts), set()
@@ -90,57 +146,18 @@ def regenerate(conversations: list[list[dict]], model, tokenizer, pipeline: dict
     return [conv if conv and conv[-1]["role"] == "assistant" else [] for conv in out]
 
 
-def generate(model, tokenizer, prompts: list[list[int]], max_new: int, dev: str) -> list[list[int]]:
-    """Greedy continuations of a batch of tokenised prompts, up to and including EOS.
-
-    The tokens every prompt starts with (a chat template's system prompt: two thirds of the default's
-    prompt tokens) are prefilled once and their KV cache shared by the batch. Each row is laid out as
-    [shared tokens, padding, own tokens]: the attention mask hides the padding and transformers counts
-    positions over real tokens only, so every row decodes as if alone.
-    """
-    import torch
-
-    shared = common.shared_prefix(prompts)
-    width = shared + max(len(ids) - shared for ids in prompts)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        own = len(ids) - shared
-        input_ids[row, :shared], input_ids[row, width - own:] = torch.tensor(ids[:shared]), torch.tensor(ids[shared:])
-        mask[row, :shared], mask[row, width - own:] = 1, 1
-    with torch.inference_mode():
-        cache = {}
-        if shared:
-            cache["past_key_values"] = model(input_ids=input_ids[:1, :shared].to(dev), use_cache=True,
-                                             logits_to_keep=1).past_key_values
-            cache["past_key_values"].batch_repeat_interleave(len(prompts))
-        generated = model.generate(
-            input_ids=input_ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
-            do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-            **cache,
-        )
-    stops = model.generation_config.eos_token_id
-    stops = set(stops if isinstance(stops, list) else [stops]) | {tokenizer.eos_token_id}
-    replies = []
-    for row in generated[:, width:].tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
-        replies.append(row[:end])
-    return replies
-
-
 def main(spec: dict) -> dict:
     from datasets import Dataset
 
     build_eagle3_dataset = common.data_generation("preprocessing").build_eagle3_dataset
 
+    cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
-    pipeline = spec.get("pipeline") or {}
     out = common.artifacts(spec)
-    samples, heldout = int(pipeline.get("samples") or 64), int(pipeline.get("heldout") or 0)
-    seed = int(pipeline.get("seed") or 0)
+    samples, heldout = cfg.samples, cfg.heldout
 
-    conversations = load_conversations(pipeline)
-    random.Random(seed).shuffle(conversations)
+    conversations = load_conversations(cfg)
+    random.Random(cfg.seed).shuffle(conversations)
     if len(conversations) < samples + heldout:
         common.fail(STAGE, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "
                            f"({samples}) + pipeline.heldout ({heldout}); lower them or use a bigger dataset")
@@ -151,12 +168,12 @@ def main(spec: dict) -> dict:
     if not getattr(tokenizer, "chat_template", None):
         common.fail(STAGE, f"the tokenizer of {path} has no chat template; use an instruct/chat model")
 
-    if pipeline.get("regenerate", True):
-        dev = common.device(pipeline)
-        model = common.load_model(spec, path, dev, common.compute_dtype(pipeline, dev))
+    if cfg.regenerate:
+        dev = common.device(cfg)
+        model = common.load_model(spec, path, dev, common.compute_dtype(cfg, dev))
         common.log(f"regenerating {len(train)} conversations with the target (greedy, batch "
-                   f"{pipeline.get('batch_size') or 8}, {pipeline.get('max_new_tokens') or 128} new tokens)")
-        train = regenerate(train, model, tokenizer, pipeline, dev)
+                   f"{cfg.batch_size}, {cfg.max_new_tokens} new tokens)")
+        train = regenerate(train, model, tokenizer, cfg, dev)
         del model
     train = [conv for conv in train if any(t["role"] == "assistant" and t["content"] for t in conv)]
     if not train:
@@ -165,7 +182,7 @@ def main(spec: dict) -> dict:
 
     dataset = build_eagle3_dataset(
         Dataset.from_dict({"conversations": train}), tokenizer,
-        max_length=int(pipeline.get("max_seq_len") or 512), num_proc=1,
+        max_length=cfg.max_seq_len, num_proc=1,
     )
     if len(dataset) == len(train):  # one row per conversation: keep conversations.jsonl aligned
         keep = [i for i, mask in enumerate(dataset["loss_mask"]) if mask.sum() > 0]
@@ -190,7 +207,7 @@ def main(spec: dict) -> dict:
     trained = sum(int(m.sum()) for m in dataset["loss_mask"])
     common.progress(len(dataset), len(dataset), "samples")
     return {"samples": len(dataset), "tokens": tokens, "assistant_tokens": trained, "heldout": len(held),
-            "regenerated": bool(pipeline.get("regenerate", True)), "seconds": timer()}
+            "regenerated": cfg.regenerate, "seconds": timer()}
 
 
 if __name__ == "__main__":

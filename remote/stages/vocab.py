@@ -11,6 +11,11 @@ import json
 from stages import common
 
 STAGE = "vocab"
+READS = ("extract",)         # the stages whose artifacts this one reads: extract's token_freq.pt, extract.json
+GPU = False                  # counting tokens: no model runs
+SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "draft_vocab_size": 32000,     # the draft's vocabulary: this many of the target's most frequent tokens
+}
 
 
 def main(spec: dict) -> dict:
@@ -18,15 +23,15 @@ def main(spec: dict) -> dict:
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
+    cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
-    pipeline = spec.get("pipeline") or {}
     out = common.artifacts(spec)
     extracted = common.input_dir(spec, "extract")
     meta = json.loads((extracted / "extract.json").read_text())
     freq = torch.load(extracted / "token_freq.pt", weights_only=True)
 
     target_vocab = int(meta["vocab_size"])
-    draft_vocab = int(pipeline.get("draft_vocab_size") or 32000)
+    draft_vocab = cfg.draft_vocab_size
     if draft_vocab > target_vocab:
         common.fail(STAGE, f"pipeline.draft_vocab_size {draft_vocab} exceeds the target's vocabulary "
                            f"({target_vocab}); lower pipeline.draft_vocab_size")
