@@ -342,14 +342,61 @@ def test_corrupted_hunk_aborts_with_everything_unchanged(sshd, host_env, tmp_pat
     p5.write_text(bad)
     before = tree_digest(py)
     inv_obj = load_inventory(inv)
-    res = hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply", root=root)["gpu1"]
-    assert res["ok"] is False
-    err = res["error"]
+    res = hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply", root=root).failed["gpu1"]
+    err = res.message
     assert "0005-step-protocol-per-request-prefill" in err and WRK in err and re.search(r"hunk #\d+ \(@@ -\d+", err)
     assert "\n" not in err
     assert tree_digest(py) == before and record_exact(py) == []
     envdir = next((tmp_path / "wd" / "patches").iterdir())
     assert not (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
+
+
+def _refusal(res) -> str:
+    """The one-line error of a refused op: a result dict ``{"ok": False, "error"}`` or a HostFailure."""
+    if isinstance(res, dict):
+        assert res["ok"] is False, res
+        err = res["error"]
+    else:
+        err = res.message
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_wrong_after_hash_shows_both_full_hashes(sshd, host_env, tmp_path):
+    """A series.yaml hash wrong only past its 12th digit: the refusal shows both hashes in full (cut
+    to 12 characters they read the same), and nothing on the host changes."""
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv_obj = load_inventory(inventory_for(sshd, py, tmp_path))
+    hosts = list(inv_obj.hosts.values())
+    series_path = PATCHES_DIR / "speculators/0.3.0/series.yaml"
+    series = yaml.safe_load(series_path.read_text())
+    before = tree_digest(py)
+
+    def tampered(patch_prefix: str, rel: str) -> tuple[Path, str, str]:
+        """A patches/ tree whose series gives ``rel`` a wrong ``after`` for that patch (last digit changed)."""
+        root = tmp_path / f"patches-{patch_prefix}"
+        shutil.copytree(PATCHES_DIR, root)
+        right = next(p for p in series["patches"] if p["file"].startswith(patch_prefix))["files"][rel]["after"]
+        wrong = right[:-1] + ("0" if right[-1] != "0" else "1")
+        path = root / "speculators/0.3.0/series.yaml"
+        text = path.read_text()
+        assert text.count(f"after: {right}") == 1
+        path.write_text(text.replace(f"after: {right}", f"after: {wrong}"))
+        return root, right, wrong
+
+    # 0006 is the only patch of core.py: its result is checked against the wrong hash
+    root, right, wrong = tampered("0006", "speculators/models/eagle3/core.py")
+    err = _refusal(hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"])
+    assert "0006-verifier-final-norm" in err and "speculators/models/eagle3/core.py" in err
+    assert f"came out as sha256 {right} but series.yaml expects sha256 {wrong}" in err, err
+    assert "nothing was changed" in err and "inv patch.refresh" in err
+    # 0001's wrong result breaks the chain of the next patch of the same file (0003's before)
+    root, right, wrong = tampered("0001", GEN)
+    err = _refusal(hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"])
+    assert (f"patch 0003-scheduler-config-init-args expects {GEN} at sha256 {right} but the previous step "
+            f"leaves sha256 {wrong}") in err, err
+    assert tree_digest(py) == before and record_exact(py) == []
+    assert not (tmp_path / "wd" / "patches").exists() or not list((tmp_path / "wd" / "patches").rglob("manifest.json"))
 
 
 def test_version_without_series_refused_in_one_line(sshd, host_env, tmp_path):
@@ -360,10 +407,10 @@ def test_version_without_series_refused_in_one_line(sshd, host_env, tmp_path):
     inv_obj = load_inventory(inv)
     hosts = list(inv_obj.hosts.values())
     for op in ("status", "apply", "rollback"):
-        res = hp.run_op(inv_obj, hosts, op, root=root)["gpu1"]
-        assert res["ok"] is False
-        assert "speculators 0.3.0 is installed" in res["error"] and "speculators 0.4.0.1" in res["error"]
-        assert "\n" not in res["error"]
+        res = hp.run_op(inv_obj, hosts, op, root=root).failed["gpu1"]
+        assert res.kind == "version mismatch"
+        assert "speculators 0.3.0 is installed" in res.message and "speculators 0.4.0.1" in res.message
+        assert "\n" not in res.message
     assert record_exact(py) == []
 
 
@@ -426,9 +473,9 @@ def test_concurrent_apply_refused(hooks_sshd, host_env, tmp_path):
     hosts = list(inv_obj.hosts.values())
     t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_before_swap": 4})["gpu1"])
     pid = _lock_pid(tmp_path)
-    second = hp.run_op(inv_obj, hosts, "apply")["gpu1"]
-    assert second["ok"] is False and "another patch operation is running" in second["error"]
-    assert f"pid {pid}" in second["error"]
+    second = hp.run_op(inv_obj, hosts, "apply").failed["gpu1"]
+    assert "another patch operation is running" in second.message
+    assert f"pid {pid}" in second.message
     assert hp.run_op(inv_obj, hosts, "status")["gpu1"]["busy"] == str(pid)  # status still answers
     t.join(60)
     assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 7
@@ -444,7 +491,9 @@ def test_link_killed_during_apply_leaves_host_fully_applied(hooks_sshd, host_env
         os.kill(child, signal.SIGKILL)
     os.kill(remote_pid, signal.SIGHUP)  # as a terminal hangup would
     t.join(60)
-    assert isinstance(box["r"], HostFailure) and "patch.status" in box["r"].message  # the client saw it die
+    # the client saw the link die, reconnected and says what became of the apply
+    assert isinstance(box["r"], HostFailure) and "connection lost" in box["r"].message
+    assert "the apply completed on the host before the link dropped (7 patch(es) applied)" in box["r"].message
     _wait_gone(remote_pid)
     site = site_packages(py)
     for rel, want in series_targets("0.3.0").items():  # the host finished the transaction on its own
@@ -503,6 +552,49 @@ def test_process_killed_mid_swap_is_completed_by_next_call(hooks_sshd, host_env,
     assert (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0 and record_exact(py) == []
+
+
+def test_recovery_after_kill_mid_swap_leaves_no_temp_files(hooks_sshd, host_env, tmp_path):
+    """A process killed inside a file's atomic write leaves the state this test builds for real: the
+    apply is SIGKILLed mid-swap (journal written, the first file swapped in), and the next file's temp
+    copy (``.custom_worker.py.eh-PID``, half written) lies beside it. The next apply completes the
+    transaction and removes every temp file, in site-packages and in the harness's state dir."""
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv = inventory_for(hooks_sshd, py, tmp_path)
+    inv_obj = load_inventory(inv)
+    hosts = list(inv_obj.hosts.values())
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply", test_hooks={"pause_mid_swap": 30})["gpu1"])
+    remote_pid = _lock_pid(tmp_path)
+    envdir = next((tmp_path / "wd" / "patches").iterdir())
+    site = site_packages(py)
+    targets = series_targets("0.3.0")
+    deadline = time.monotonic() + 30
+    done = []
+    while time.monotonic() < deadline and not done:  # until the first file is swapped in
+        done = [rel for rel, want in targets.items() if hashlib.sha256((site / rel).read_bytes()).hexdigest() == want]
+        time.sleep(0.05)
+    assert len(done) == 1 and (envdir / "journal.json").exists()
+    os.kill(remote_pid, signal.SIGKILL)
+    t.join(60)
+    _wait_gone(remote_pid)
+    journal = json.loads((envdir / "journal.json").read_text())
+    nxt = next(f for f in journal["files"] if f["rel"] not in done)  # the file being written when killed
+    assert nxt["rel"] == WRK
+    staged = (envdir / nxt["staged"]).read_bytes()
+    left = Path(nxt["path"]).with_name(f".{Path(nxt['path']).name}.eh-{remote_pid}")
+    left.write_bytes(staged[:len(staged) // 2])  # write_atomic's temp file, cut short by the kill
+    stray = envdir / f".manifest.json.eh-{remote_pid}"
+    stray.write_bytes(b'{"pack')
+    assert len(list(site.rglob("*.eh-*"))) == 1
+
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert "completed an interrupted apply" in ap["gpu1"]["recovered"]
+    assert "removed 2 leftover temp files" in ap["gpu1"]["recovered"]
+    assert list(site.rglob("*.eh-*")) == [] and list(envdir.rglob("*.eh-*")) == []
+    for rel, want in targets.items():
+        assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
+    assert not (envdir / "journal.json").exists()
 
 
 # ------------------------------------------------------------------------------------------------

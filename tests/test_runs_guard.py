@@ -8,12 +8,16 @@ this machine has no GPU.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from conftest import write_inventory
 from runs_support import StandInService, code_root, drop_connections, pid_alive, wait_for
 from harness import runs
 from harness.connection import open_host
+from harness.errors import HarnessError
 from harness.inventory import load_inventory
 
 ENV = {"HF_TOKEN": "hf_guard_secret"}
@@ -35,12 +39,13 @@ def guarded(gpu_sshd, tmp_path):
     host, bindir = gpu_sshd
     made = []
 
-    def make(stop_frees=True, timeout=20, gpus=2):
+    def make(stop_frees=True, timeout=20, gpus=2, **top):
         svc = StandInService(tmp_path / "svc", gpus=gpus, stop_frees=stop_frees)
         (bindir / "nvidia-smi").write_text((svc.bin / "nvidia-smi").read_text())
         (bindir / "nvidia-smi").chmod(0o755)
         inv = load_inventory(write_inventory(tmp_path, {"gpu1": host.entry(
-            workdir=str(tmp_path / "wd"), profile="pcie-blackwell", gpus=gpus, service=svc.spec(timeout))}))
+            workdir=str(tmp_path / "wd"), profile="pcie-blackwell", gpus=gpus, service=svc.spec(timeout))},
+            **top))
         svc.start_now()
         made.append(svc)
 
@@ -54,7 +59,7 @@ def guarded(gpu_sshd, tmp_path):
 
 
 def _follow(conn, rid, tmp_path):
-    return runs.follow(conn, rid, progress=False, base=tmp_path / "runs", on_line=lambda l: None)
+    return runs.follow(conn, rid, base=tmp_path / "runs", on_line=lambda l: None)
 
 
 def test_guard_stops_service_runs_stage_then_restores(guarded, tmp_path):
@@ -160,3 +165,82 @@ def test_guard_without_gpu_tool(sshd, tmp_path):
             assert "no GPU to wait for" in log
         else:
             assert "nvidia-smi not found on the host" in st["error"] and "gpus: 2" in st["error"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the launch preflight: what a stage would find wrong only after the service was stopped is refused
+# on the host before the wrapper starts (remote/tools/runctl.py preflight)
+
+KIMI_SHAPED = {  # a multimodal wrapper: the layer count lives in the nested text config
+    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168},
+    "vision_config": {"depth": 27},
+}
+
+
+def _model_dir(root, config, tokenizer_config=None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    if tokenizer_config is not None:
+        (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return root
+
+
+def _refused_launch(conn, inv, code, svc, run_id):
+    """Launch a GPU stage that the preflight must refuse: one line, the service never stopped, nothing
+    written under the workdir."""
+    server = int(svc.pidfile.read_text())
+    with pytest.raises(HarnessError) as e:
+        runs.launch(conn, inv, "teststage", run_id=run_id, extra={"markers": str(svc.markers)}, code_root=code,
+                    environ=ENV, poll_interval=0.2)
+    msg = str(e.value)
+    assert msg.startswith("host gpu1: ") and "\n" not in msg and "Traceback" not in msg, msg
+    assert svc.events() == ["service-start"]  # the fixture's own start: never stopped
+    assert pid_alive(server) and int(svc.pidfile.read_text()) == server
+    assert not (Path(inv.hosts["gpu1"].workdir) / "runs" / run_id).exists()
+    return msg
+
+
+def test_preflight_refuses_capture_layer_out_of_range_before_the_service_stops(guarded, tmp_path):
+    model = _model_dir(tmp_path / "kimi", KIMI_SHAPED)
+    inv, connect, code, svc = guarded(model={"path": str(model), "trust_remote_code": True},
+                                      pipeline={"capture_layers": [2, 30, 58, 61]})
+    conn = connect()
+    msg = _refused_launch(conn, inv, code, svc, "pf-layers")
+    assert msg == (f"host gpu1: pipeline.capture_layers: layer 61 out of range: model {model} has 61 layers "
+                   "(0..60, text_config.num_hidden_layers in its config.json); fix pipeline.capture_layers "
+                   "in the inventory"), msg
+    # the same model with the reference layers passes the preflight (a CPU stage: the service stays up)
+    ok = inv.model_copy(update={"pipeline": inv.pipeline.model_copy(update={"capture_layers": [2, 30, 58, 60]})})
+    h = runs.launch(conn, ok, "teststage", run_id="pf-ok", gpu=False, code_root=code, environ=ENV)
+    assert h.launched and _follow(conn, "pf-ok", tmp_path)["state"] == "succeeded"
+    assert svc.events() == ["service-start"]
+    conn.close()
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_preflight_refuses_custom_code_without_trust_remote_code(guarded, tmp_path, where):
+    auto_map = {"AutoConfig": "configuration_kimi.KimiConfig", "AutoModelForCausalLM": "modeling_kimi.KimiForCausalLM"}
+    tok_map = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    model = _model_dir(tmp_path / "custom", {**KIMI_SHAPED, **({"auto_map": auto_map} if where == "config.json" else {})},
+                       {"tokenizer_class": "TikTokenTokenizer", **({"auto_map": tok_map} if where != "config.json" else {})})
+    inv, connect, code, svc = guarded(model={"path": str(model), "trust_remote_code": False})
+    conn = connect()
+    msg = _refused_launch(conn, inv, code, svc, "pf-trust")
+    assert f"model.path {model}: {where} has auto_map" in msg, msg
+    assert "model.trust_remote_code is false" in msg and "set model.trust_remote_code: true" in msg
+    conn.close()
+
+
+def test_preflight_refuses_too_little_disk_and_unreadable_config(guarded, tmp_path):
+    model = _model_dir(tmp_path / "m", {"num_hidden_layers": 8})
+    inv, connect, code, svc = guarded(model={"path": str(model)}, pipeline={"extra": {"min_free_gb": 1e9}})
+    conn = connect()
+    msg = _refused_launch(conn, inv, code, svc, "pf-disk")
+    assert f"workdir {tmp_path / 'wd'}: " in msg and "GiB free, a stage needs at least 1000000000.0 GiB" in msg, msg
+    assert "pipeline.extra.min_free_gb" in msg
+    (model / "config.json").write_text("{not json")
+    bad = inv.model_copy(update={"pipeline": inv.pipeline.model_copy(update={"extra": {}})})
+    msg = _refused_launch(conn, bad, code, svc, "pf-config")
+    assert f"model.path {model}: {model / 'config.json'} is not valid JSON" in msg, msg
+    conn.close()

@@ -22,7 +22,12 @@ from pathlib import Path
 import distinfo
 
 class Refused(Exception):
-    """A one-line reason why an operation was not done (nothing on the host was changed)."""
+    """A one-line reason why an operation was not done (nothing on the host was changed); ``state``
+    says what kind of refusal it is (``version mismatch``, ``not installed``, ``refused``)."""
+
+    def __init__(self, message, state="refused"):
+        Exception.__init__(self, message)
+        self.state = state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,7 +117,7 @@ class Target:
         self.package = spec.get("package", "speculators")
         dist = distinfo.find(self.package)
         if dist is None:
-            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it")
+            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it", state="not installed")
         self.version = dist.version
         self.site = Path(dist.site).resolve()
         self.record = dist.sha256_record()  # {path relative to site: sha256 as pip spells it}
@@ -129,7 +134,7 @@ class Target:
 
     def require_series(self) -> dict:
         if self.series is None:
-            raise Refused(self.mismatch())
+            raise Refused(self.mismatch(), state="version mismatch")
         return self.series
 
     def path(self, rel: str) -> Path:
@@ -162,8 +167,11 @@ def file_chains(target: Target, chosen: list[dict]) -> dict[str, list[tuple[str 
         for rel, h in p["files"].items():
             chain = chains.setdefault(rel, [(None, h["before"])])
             if chain[-1][1] != h["before"]:
-                raise Refused(f"series {target.version}: patch {p['name']} expects {rel} at "
-                              f"{h['before'][:12]} but the previous step leaves {chain[-1][1][:12]}")
+                # full hashes: two that differ only past the 12th digit must not read the same
+                raise Refused(f"series {target.version}: patch {p['name']} expects {rel} at sha256 "
+                              f"{h['before']} but the previous step leaves sha256 {chain[-1][1]}; "
+                              f"recompute the hashes: inv patch.refresh {target.package} "
+                              f"{target.version}")
             chain.append((p["name"], h["after"]))
     for rel, chain in chains.items():
         names = [n for n, _ in chain[1:]]

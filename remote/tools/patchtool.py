@@ -141,15 +141,69 @@ def _fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
     """Replace ``path`` with ``data`` in one rename (a temp file in the same directory, fsynced)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.eh-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if mode is not None:
-        os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a live failure (disk full...) leaves no temp file; a kill can,
+        # and recover() removes what it left
+        raise
     _fsync_dir(path.parent)
+
+
+#: write_atomic's temp files are ``.<name>.eh-<pid>`` beside the file they replace
+TEMP_MARK = ".eh-"
+_TEMP = re.compile(r"^\.(?P<name>.+)\.eh-(?P<pid>\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _drop_temp_files(target: Target, journal: dict | None) -> int:
+    """Remove the temp files a process killed inside ``write_atomic`` left behind: beside each file of
+    the interrupted transaction (in site-packages) and anywhere in this environment's state dir. The
+    caller holds the lock, so no live patch operation on this environment is writing them; in
+    site-packages a temp file is removed only when the process that wrote it is gone (or is us).
+    Returns how many were removed."""
+    removed = 0
+    envdir = target.envdir
+    candidates: list[tuple[Path, bool]] = []  # (temp file, lives in our state dir)
+    for f in (journal or {}).get("files") or []:
+        path = Path(f["path"])
+        try:
+            entries = list(path.parent.iterdir())
+        except OSError:
+            continue
+        candidates += [(e, False) for e in entries if (m := _TEMP.match(e.name)) and m.group("name") == path.name]
+    if envdir.is_dir():
+        candidates += [(e, True) for e in envdir.rglob(f".*{TEMP_MARK}*") if _TEMP.match(e.name)]
+    for tmp, ours in dict.fromkeys(candidates):
+        pid = int(_TEMP.match(tmp.name).group("pid"))
+        if not ours and pid != os.getpid() and _pid_alive(pid):
+            continue
+        try:
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
+    if removed:
+        for d in {t.parent for t, _ in candidates}:
+            _fsync_dir(d)
+    return removed
 
 
 class Lock:
@@ -197,7 +251,7 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
             continue
         if cur != f["from"]:
             raise Refused(f"an interrupted {journal['op']} cannot complete: {f['rel']} changed meanwhile "
-                          f"(sha256 {str(cur)[:12]}); run patch.rollback --force --reinstall")
+                          f"({'sha256 ' + cur if cur else 'file missing'}); run patch.rollback --force --reinstall")
         data = (envdir / f["staged"]).read_bytes()
         if sha256_hex(data) != f["to"]:
             raise Refused(f"an interrupted {journal['op']} cannot complete: staged copy of {f['rel']} is damaged")
@@ -220,11 +274,14 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
 def recover(target: Target) -> str | None:
     """Complete a transaction a previous call left behind (killed mid-swap). Caller holds the lock."""
     journal = _read_json(target.envdir / "journal.json")
+    # a kill inside write_atomic leaves its temp file: never needed (the staged copies are the source)
+    dropped = _drop_temp_files(target, journal)
     if journal is None:
         shutil.rmtree(target.envdir / "tx", ignore_errors=True)  # staging that never reached the swap
         return None
     _run_journal(target, journal)
-    return f"completed an interrupted {journal['op']} ({journal['txid']})"
+    also = f"; removed {dropped} leftover temp file{'s' if dropped != 1 else ''}" if dropped else ""
+    return f"completed an interrupted {journal['op']} ({journal['txid']}){also}"
 
 
 def _transact(target: Target, op: str, changes: list[dict], manifest: dict | None, spec: dict) -> None:
@@ -302,8 +359,10 @@ def _stage_apply(target: Target, todo: list[dict], files: dict) -> dict[str, byt
             except HunkFailed as e:
                 raise Refused(f"patch {p['name']} does not apply: {e}; nothing was changed")
             if sha256_hex(new) != h["after"]:
-                raise Refused(f"patch {p['name']}: {rel} came out as sha256 {sha256_hex(new)[:12]}, series.yaml "
-                              f"expects {h['after'][:12]}; nothing was changed")
+                # full hashes: two that differ only past the 12th digit must not read the same
+                raise Refused(f"patch {p['name']}: {rel} came out as sha256 {sha256_hex(new)} but series.yaml "
+                              f"expects sha256 {h['after']}; nothing was changed; recompute the hashes: "
+                              f"inv patch.refresh {target.package} {target.version}")
             data[rel] = new
     return data
 
@@ -454,10 +513,10 @@ OPS = {"status": status, "plan": plan, "apply": apply, "rollback": rollback}
 
 
 def main(spec: dict) -> dict:
-    """Run one op; never prints. Refusals come back as ``{"ok": False, "error": one line}``."""
+    """Run one op; never prints. Refusals come back as ``{"ok": False, "state": kind, "error": one line}``."""
     op = spec.get("op", "status")
     if op not in OPS:
-        return {"ok": False, "error": f"unknown op {op!r} (use {', '.join(OPS)})"}
+        return {"ok": False, "state": "refused", "error": f"unknown op {op!r} (use {', '.join(OPS)})"}
     if op in ("apply", "rollback"):
         # a dropped SSH link must not stop a transaction half way
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -465,7 +524,7 @@ def main(spec: dict) -> dict:
     try:
         return OPS[op](spec)
     except Refused as e:
-        return {"ok": False, "op": op, "error": str(e)}
+        return {"ok": False, "op": op, "state": e.state, "error": str(e)}
 
 
 if __name__ == "__main__":

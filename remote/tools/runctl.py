@@ -31,7 +31,12 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class Refused(Exception):
-    """A request the host declines, with a one-line reason (reported as the script's error)."""
+    """A request the host declines, with a one-line reason; ``kind`` travels back as data
+    (``{"ok": false, "kind": ..., "error": ...}``): ``refused``, or ``no_run`` for an unknown run."""
+
+    def __init__(self, message, kind="refused"):
+        Exception.__init__(self, message)
+        self.kind = kind
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,18 +195,133 @@ def spawn(rdir, rid, attempt, how):
     return "setsid"
 
 
+#: stages that load the target model (its config.json must be there when model.path is a directory)
+MODEL_STAGES = ("prepare", "extract", "train", "evaluate")
+#: free disk under the workdir a stage needs at least, in GiB (``pipeline.extra.min_free_gb`` overrides)
+MIN_FREE_GB = 1.0
+#: where multimodal wrappers keep the language model's config (Kimi-K2.5: text_config)
+TEXT_CONFIG_KEYS = ("text_config", "language_model", "llm_config")
+
+
 def check_model_path(spec, rdir):
     """Refuse a model.path that names a path on this host (starts with '/', '~' or '.') which is not
     there: the stage would take it for a hub id and fail minutes later, detached, with a confusing
     hub error. A hub id ("org/name") is not checked here. Relative paths resolve like the stage's,
-    whose working directory is the run directory."""
+    whose working directory is the run directory. Returns the model's local directory when it is
+    one (a hub id that names no local directory, a GGUF: None)."""
     model = (spec.get("stage_spec") or {}).get("model") or {}
     path = model.get("path")
-    if not path or model.get("gguf_package") or not str(path).startswith(("/", "~", ".")):
-        return
-    full = os.path.join(rdir, os.path.expanduser(path))
-    if not os.path.exists(full):
+    if not path or model.get("gguf_package"):
+        return None
+    full = os.path.join(rdir, os.path.expanduser(str(path)))
+    if str(path).startswith(("/", "~", ".")) and not os.path.exists(full):
         raise Refused("model.path %s: no such directory on this host; fix 'model.path' in the inventory" % path)
+    if model.get("gguf_file") or str(path).endswith(".gguf") or not os.path.isdir(full):
+        return None  # a GGUF carries its config inside; a hub id is resolved by the stage
+    return full
+
+
+def _read_model_json(folder, name, required, path):
+    """A JSON file of the model directory ``folder`` (the inventory's model.path ``path``) as a dict;
+    None when absent and not ``required``."""
+    f = os.path.join(folder, name)
+    try:
+        with open(f, "rb") as fh:
+            data = json.loads(fh.read().decode("utf-8"))
+    except FileNotFoundError:
+        if not required:
+            return None
+        raise Refused("model.path %s: no %s in that directory; point 'model.path' at a Hugging Face model "
+                      "directory (config.json, weights, tokenizer) or set model.gguf_file" % (path, name))
+    except OSError as e:
+        raise Refused("model.path %s: cannot read %s: %s; make it readable by the host's user"
+                      % (path, f, e.strerror or e))
+    except ValueError as e:
+        raise Refused("model.path %s: %s is not valid JSON (%s); restore it from the model's source" % (path, f, e))
+    if not isinstance(data, dict):
+        raise Refused("model.path %s: %s is not a JSON object; restore it from the model's source" % (path, f))
+    return data
+
+
+def _layer_count(config):
+    """(number of decoder layers, where it was read) from a config.json dict, through the nested
+    text config of a multimodal wrapper (as the stages read it); (None, None) when it has none."""
+    for key in TEXT_CONFIG_KEYS:
+        sub = config.get(key)
+        if isinstance(sub, dict):
+            n, where = _layer_count(sub)
+            if n is not None:
+                return n, "%s.%s" % (key, where)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        n = config.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n, key
+    return None, None
+
+
+def _free_bytes(path):
+    """Free bytes (for this user) on the file system that holds ``path`` or its nearest existing parent."""
+    p = path
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def preflight(spec, rdir):
+    """Everything a stage would find wrong only after it launched -- on a host with a service guard,
+    after the production server was stopped -- checked here, on the host, before anything is written
+    or stopped. One preflight for every stage:
+
+    * model.path: a path on this host must be there; a model directory must have a readable
+      config.json (the stages that load the target need one; a hub id or a GGUF is not checked);
+    * pipeline.capture_layers: in range of the model's layer count (``num_hidden_layers``, also in a
+      multimodal wrapper's text config), 4 distinct ascending layers; None = the stage's default;
+    * custom code (``auto_map`` in config.json or tokenizer_config.json) needs model.trust_remote_code;
+    * free disk under the workdir: at least ``MIN_FREE_GB`` (``pipeline.extra.min_free_gb``).
+
+    Each refusal is one line naming the model path, the field or the layer, and what to do."""
+    sspec = spec.get("stage_spec") or {}
+    model = sspec.get("model") or {}
+    pipeline = sspec.get("pipeline") or {}
+    layers = pipeline.get("capture_layers")
+    if layers is not None and (not isinstance(layers, list) or
+                               not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+        raise Refused("pipeline.capture_layers %r: expected a list of decoder layer numbers; fix it in the "
+                      "inventory" % (layers,))
+    local = check_model_path(spec, rdir)
+    if local is not None:
+        path = model.get("path")
+        config = _read_model_json(local, "config.json", sspec.get("stage") in MODEL_STAGES, path)
+        n, where = _layer_count(config) if config is not None else (None, None)
+        if n is not None:  # a config without a layer count: the stage's own check has the last word
+            for layer in layers or []:
+                if not 0 <= layer < n:
+                    raise Refused("pipeline.capture_layers: layer %d out of range: model %s has %d layers (0..%d, "
+                                  "%s in its config.json); fix pipeline.capture_layers in the inventory"
+                                  % (layer, path, n, n - 1, where))
+        tok = _read_model_json(local, "tokenizer_config.json", False, path)
+        if not model.get("trust_remote_code"):
+            for name, data, what in (("config.json", config, "model"), ("tokenizer_config.json", tok, "tokenizer")):
+                if data and data.get("auto_map"):
+                    raise Refused("model.path %s: %s has auto_map (custom %s code, which transformers runs only "
+                                  "with trust_remote_code) but model.trust_remote_code is false; set "
+                                  "model.trust_remote_code: true in the inventory if you trust that code"
+                                  % (path, name, what))
+    if layers is not None and (len(layers) != 4 or sorted(set(layers)) != list(layers)):
+        raise Refused("pipeline.capture_layers %s: EAGLE-3 needs 4 distinct ascending layers (3 fed to the "
+                      "draft, the last for its targets); fix pipeline.capture_layers in the inventory" % (layers,))
+    extra = pipeline.get("extra") or {}
+    minimum = extra.get("min_free_gb", MIN_FREE_GB) if isinstance(extra, dict) else MIN_FREE_GB
+    if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or minimum < 0:
+        raise Refused("pipeline.extra.min_free_gb %r: expected a number of GiB (>= 0); fix it in the inventory"
+                      % (minimum,))
+    wd = workdir(spec)
+    free = _free_bytes(wd)
+    if free < minimum * (1 << 30):
+        raise Refused("workdir %s: %.1f GiB free, a stage needs at least %.1f GiB; free disk space there or "
+                      "point the host's 'workdir' at a bigger disk (pipeline.extra.min_free_gb sets the minimum)"
+                      % (wd, free / float(1 << 30), minimum))
 
 
 def launch(spec):
@@ -214,7 +334,7 @@ def launch(spec):
             return {"launched": False, "reason": "already succeeded", "status": st}
         if st["state"] in ACTIVE:
             return {"launched": False, "reason": "already %s" % st["state"], "status": st}
-    check_model_path(spec, rdir)  # before anything is written on the host
+    preflight(spec, rdir)  # before anything is written on the host, before the wrapper stops a service
     # inputs: {stage: run id} -> that run's artifacts directory, which must exist
     inputs = {}
     for stage, rid in (spec.get("inputs") or {}).items():
@@ -269,7 +389,7 @@ def no_run(spec):
 def status(spec):
     st = read_status(run_dir(spec))
     if st is None:
-        raise Refused(no_run(spec))
+        raise Refused(no_run(spec), kind="no_run")
     return st
 
 
@@ -453,10 +573,8 @@ ACTIONS = {"launch": launch, "status": status, "list": list_runs, "logs": logs, 
 
 
 def main(spec):
-    try:
-        return ACTIONS[spec["action"]](spec)
-    except Refused as e:
-        raise SystemExit(str(e))
+    """Dispatch one action; a refusal propagates as ``Refused`` (the bootstrap sends its kind)."""
+    return ACTIONS[spec["action"]](spec)
 
 
 if __name__ == "__main__":
