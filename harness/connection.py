@@ -42,9 +42,10 @@ KEEPALIVE_SECONDS = 15
 #: remote/ modules that a shipped module imports: run_script ships them along (one place to say it)
 REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "probe": ("distinfo",),
-    "patchtool": ("patchstate", "distinfo"),
-    "patchstate": ("distinfo",),
+    "patchtool": ("patchstate", "probe", "distinfo"),
+    "patchstate": ("probe", "distinfo"),
     "apicheck": ("distinfo",),
+    "runctl": ("probe", "distinfo"),
 }
 
 

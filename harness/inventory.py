@@ -73,6 +73,8 @@ class HostSpec(_Strict):
     workdir: str = "~/.eagle-harness"
     profile: str = "cpu"
     gpus: int = Field(default=0, ge=0)
+    #: free disk (GiB) under the workdir that a stage's launch requires, checked before anything stops
+    min_free_gb: float = Field(default=1.0, ge=0)
     service: ServiceSpec | None = None
     env: dict[str, str] = Field(default_factory=dict)
 

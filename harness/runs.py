@@ -168,7 +168,7 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
     code_sha, tar = code_bundle(code_root)
     wrapper = render_wrapper(host, run_id=run_id, stage=stage, spec_hash=spec_hash, code_sha=code_sha, gpu=gpu,
                              secret_names=sorted(envf.secrets), poll_interval=poll_interval, lock_wait=lock_wait)
-    req = {"run_id": run_id, "stage_spec": sspec, "inputs": inputs or {}, "spec_hash": spec_hash,
+    req = {"run_id": run_id, "stage_spec": sspec, "min_free_gb": host.min_free_gb, "inputs": inputs or {}, "spec_hash": spec_hash,
            "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s}
     res = runctl(conn, "launch", **req)
     if res.get("need_code"):

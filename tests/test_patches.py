@@ -517,6 +517,8 @@ def test_process_killed_before_swap_leaves_host_untouched(hooks_sshd, host_env, 
     os.kill(remote_pid, signal.SIGKILL)
     t.join(60)
     assert tree_digest(py) == before and record_exact(py) == []
+    # no answer came back: the client looked and says what happened rather than guessing
+    assert isinstance(box["r"], HostFailure) and "the apply had not started: the files are unchanged" in box["r"].message
     rc, st, err = patch_cli("status", inv)
     assert set(states(st["gpu1"]).values()) == {"pristine"} and st["gpu1"]["interrupted"] is None
     rc, ap, err = patch_cli("apply", inv)  # the next apply starts clean

@@ -39,12 +39,13 @@ def guarded(gpu_sshd, tmp_path):
     host, bindir = gpu_sshd
     made = []
 
-    def make(stop_frees=True, timeout=20, gpus=2, **top):
+    def make(stop_frees=True, timeout=20, gpus=2, min_free_gb=None, **top):
         svc = StandInService(tmp_path / "svc", gpus=gpus, stop_frees=stop_frees)
         (bindir / "nvidia-smi").write_text((svc.bin / "nvidia-smi").read_text())
         (bindir / "nvidia-smi").chmod(0o755)
         inv = load_inventory(write_inventory(tmp_path, {"gpu1": host.entry(
-            workdir=str(tmp_path / "wd"), profile="pcie-blackwell", gpus=gpus, service=svc.spec(timeout))},
+            workdir=str(tmp_path / "wd"), profile="pcie-blackwell", gpus=gpus, service=svc.spec(timeout),
+            **({"min_free_gb": min_free_gb} if min_free_gb is not None else {}))},
             **top))
         svc.start_now()
         made.append(svc)
@@ -234,13 +235,14 @@ def test_preflight_refuses_custom_code_without_trust_remote_code(guarded, tmp_pa
 
 def test_preflight_refuses_too_little_disk_and_unreadable_config(guarded, tmp_path):
     model = _model_dir(tmp_path / "m", {"num_hidden_layers": 8})
-    inv, connect, code, svc = guarded(model={"path": str(model)}, pipeline={"extra": {"min_free_gb": 1e9}})
+    inv, connect, code, svc = guarded(model={"path": str(model)}, min_free_gb=1e9)
     conn = connect()
     msg = _refused_launch(conn, inv, code, svc, "pf-disk")
     assert f"workdir {tmp_path / 'wd'}: " in msg and "GiB free, a stage needs at least 1000000000.0 GiB" in msg, msg
-    assert "pipeline.extra.min_free_gb" in msg
+    assert "lower the host's 'min_free_gb'" in msg
     (model / "config.json").write_text("{not json")
-    bad = inv.model_copy(update={"pipeline": inv.pipeline.model_copy(update={"extra": {}})})
-    msg = _refused_launch(conn, bad, code, svc, "pf-config")
-    assert f"model.path {model}: {model / 'config.json'} is not valid JSON" in msg, msg
     conn.close()
+    roomy = inv.hosts["gpu1"].model_copy(update={"min_free_gb": 0.0})
+    with open_host(roomy, inv) as conn:
+        msg = _refused_launch(conn, inv, code, svc, "pf-config")
+    assert f"model.path {model}: {model / 'config.json'} is not valid JSON" in msg, msg

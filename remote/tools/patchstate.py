@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import distinfo
+import probe
 
 class Refused(Exception):
     """A one-line reason why an operation was not done (nothing on the host was changed); ``state``
@@ -87,8 +88,7 @@ def host_facts(spec: dict) -> dict:
         if spec.get("vllm_path"):
             facts["vllm"] = dist_version_at(spec["vllm_path"], "vllm")
         else:
-            dist = distinfo.find("vllm")
-            facts["vllm"] = dist.version if dist else None
+            facts["vllm"] = probe.package_version("vllm")
     return facts
 
 

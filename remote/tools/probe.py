@@ -32,6 +32,12 @@ def installed_versions():
     return distinfo.installed_versions()
 
 
+def package_version(name):
+    """The installed version of distribution ``name`` on this interpreter's path, or None."""
+    dist = distinfo.find(name)
+    return dist.version if dist else None
+
+
 def packages():
     have = installed_versions()
     found = {name: have.get(_normalize(name)) for name in PACKAGES}
@@ -60,7 +66,7 @@ def os_facts():
     }
 
 
-def _which(name):
+def which(name):
     """shutil.which(name) for a plain command name, without loading shutil."""
     for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
         path = os.path.join(d, name)
@@ -70,7 +76,7 @@ def _which(name):
 
 
 def _nvidia_smi(args):
-    exe = _which("nvidia-smi")
+    exe = which("nvidia-smi")
     if not exe:
         return None
     import subprocess  # noqa: PLC0415 - loaded only on a host that has a driver to ask

@@ -197,7 +197,8 @@ def spawn(rdir, rid, attempt, how):
 
 #: stages that load the target model (its config.json must be there when model.path is a directory)
 MODEL_STAGES = ("prepare", "extract", "train", "evaluate")
-#: free disk under the workdir a stage needs at least, in GiB (``pipeline.extra.min_free_gb`` overrides)
+#: free disk under the workdir a stage needs at least, in GiB, when the launch names none (the
+#: inventory's host field ``min_free_gb`` does)
 MIN_FREE_GB = 1.0
 #: where multimodal wrappers keep the language model's config (Kimi-K2.5: text_config)
 TEXT_CONFIG_KEYS = ("text_config", "language_model", "llm_config")
@@ -259,15 +260,6 @@ def _layer_count(config):
     return None, None
 
 
-def _free_bytes(path):
-    """Free bytes (for this user) on the file system that holds ``path`` or its nearest existing parent."""
-    p = path
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
-
-
 def preflight(spec, rdir):
     """Everything a stage would find wrong only after it launched -- on a host with a service guard,
     after the production server was stopped -- checked here, on the host, before anything is written
@@ -278,7 +270,7 @@ def preflight(spec, rdir):
     * pipeline.capture_layers: in range of the model's layer count (``num_hidden_layers``, also in a
       multimodal wrapper's text config), 4 distinct ascending layers; None = the stage's default;
     * custom code (``auto_map`` in config.json or tokenizer_config.json) needs model.trust_remote_code;
-    * free disk under the workdir: at least ``MIN_FREE_GB`` (``pipeline.extra.min_free_gb``).
+    * free disk under the workdir: at least the host's ``min_free_gb`` (default ``MIN_FREE_GB``).
 
     Each refusal is one line naming the model path, the field or the layer, and what to do."""
     sspec = spec.get("stage_spec") or {}
@@ -311,16 +303,14 @@ def preflight(spec, rdir):
     if layers is not None and (len(layers) != 4 or sorted(set(layers)) != list(layers)):
         raise Refused("pipeline.capture_layers %s: EAGLE-3 needs 4 distinct ascending layers (3 fed to the "
                       "draft, the last for its targets); fix pipeline.capture_layers in the inventory" % (layers,))
-    extra = pipeline.get("extra") or {}
-    minimum = extra.get("min_free_gb", MIN_FREE_GB) if isinstance(extra, dict) else MIN_FREE_GB
-    if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or minimum < 0:
-        raise Refused("pipeline.extra.min_free_gb %r: expected a number of GiB (>= 0); fix it in the inventory"
-                      % (minimum,))
+    import probe  # noqa: PLC0415 - every host fact comes from the probe (shipped with runctl)
+
+    minimum = spec.get("min_free_gb", MIN_FREE_GB)
     wd = workdir(spec)
-    free = _free_bytes(wd)
+    free = probe.disk(wd)["free_bytes"]
     if free < minimum * (1 << 30):
-        raise Refused("workdir %s: %.1f GiB free, a stage needs at least %.1f GiB; free disk space there or "
-                      "point the host's 'workdir' at a bigger disk (pipeline.extra.min_free_gb sets the minimum)"
+        raise Refused("workdir %s: %.1f GiB free, a stage needs at least %.1f GiB; free disk space there, "
+                      "point the host's 'workdir' at a bigger disk, or lower the host's 'min_free_gb'"
                       % (wd, free / float(1 << 30), minimum))
 
 
@@ -520,6 +510,8 @@ def escapes(name):
 
 
 def manifest(spec):
+    import probe  # noqa: PLC0415 - every host fact comes from the probe (shipped with runctl)
+
     rdir = run_dir(spec)
     st = status(spec)
     art = os.path.join(rdir, "artifacts")
@@ -538,7 +530,7 @@ def manifest(spec):
                 p = os.path.join(art, m.group(2))
                 files[m.group(2)] = {"sha256": m.group(1), "size": os.path.getsize(p) if os.path.exists(p) else None}
     return {"run_dir": rdir, "artifacts": art, "status": st, "sums": sums, "files": files,
-            "result": read_json(os.path.join(rdir, "result.json")), "has_rsync": bool(shutil.which("rsync"))}
+            "result": read_json(os.path.join(rdir, "result.json")), "has_rsync": bool(probe.which("rsync"))}
 
 
 def last_env(spec):
