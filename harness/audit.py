@@ -10,7 +10,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from harness import patches
 from harness.connection import open_host
 from harness.errors import HarnessError
 from harness.inventory import HostSpec, Inventory
@@ -30,11 +29,16 @@ class Check:
 
 def probe_host(inv: Inventory, host: HostSpec, timeout: float = 10) -> dict[str, Any]:
     """Connect, run the probe (with the patch status and API preflight) and return the facts with
-    their checks."""
+    their checks. The patch series are read while the host starts the probe's interpreter."""
     spec: dict[str, Any] = {"workdir": host.workdir}
-    modules = _add_patch_checks(host, spec)
+
+    def full_spec() -> dict:
+        _add_patch_checks(host, spec)
+        return spec
+
     with open_host(host, inv, timeout=timeout) as conn:
-        facts = conn.run_script("probe", spec, modules=modules)
+        # both shipped always: the bootstrap compiles a module only when the probe imports it
+        facts = conn.run_script("probe", full_spec, modules=PATCH_MODULES)
         facts["round_trips"] = conn.round_trips
     if spec.get("patches_error"):  # a series.yaml that does not load: say so rather than show no patches
         facts["patches"] = {"ok": False, "state": "bad series", "error": spec["patches_error"]}
@@ -97,6 +101,8 @@ _PAYLOAD_LOCK = threading.Lock()
 def _patch_payload() -> dict[str, Any]:
     """``patches.build_payload()`` once per audit, not once per host (YAML + validation cost ~20 ms
     each): kept for as long as no file of the series changes (size and mtime)."""
+    from harness import patches  # noqa: PLC0415
+
     key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
                 for d in patches.series_dirs() for f in sorted(d.iterdir()))
     with _PAYLOAD_LOCK:
@@ -106,17 +112,22 @@ def _patch_payload() -> dict[str, Any]:
         return _PAYLOAD[key]
 
 
-def _add_patch_checks(host: HostSpec, spec: dict) -> list[str]:
-    """Add the patch status and the API preflight to the probe's spec; returns the modules to ship."""
+#: what the probe imports for the patch checks: the read-only part of remote/tools/patchtool.py
+PATCH_MODULES = ("patchstate", "apicheck")
+
+
+def _add_patch_checks(host: HostSpec, spec: dict) -> None:
+    """Add the patch status and the API preflight to the probe's spec."""
+    from harness import patches  # noqa: PLC0415 - loaded while the host starts the probe
+
     try:
         payload = _patch_payload()
     except HarnessError as e:
         spec["patches"] = None
         spec["patches_error"] = str(e)
-        return []
+        return
     spec["patches"] = patches.host_spec(host, "status", payload)
     spec["apicheck"] = {"fixes": patches.api_fixes(payload)}
-    return ["patchstate", "apicheck"]  # the read-only part of remote/tools/patchtool.py is all the probe needs
 
 
 def _patch_checks(facts: dict) -> list[Check]:

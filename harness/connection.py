@@ -392,17 +392,20 @@ class HostConnection:
         return self.fabric.client
 
     # -- commands ----------------------------------------------------------------------------------
-    def exec(self, cmd: str, stdin: bytes | None = None, timeout: float | None = None,
+    def exec(self, cmd: str, stdin: bytes | Callable[[], bytes] | None = None, timeout: float | None = None,
              on_stdout: Callable[[str], None] | None = None,
              on_stderr: Callable[[str], None] | None = None) -> ExecResult:
-        """Run one shell command on the host (``bash -c`` semantics; quote values yourself)."""
+        """Run one shell command on the host (``bash -c`` semantics; quote values yourself).
+
+        ``stdin`` may be a callable: it is called once the command has started, so the host starts
+        its shell and interpreter while this side is still building what to send."""
         self.round_trips += 1
         if self.host.is_local:
             return self._exec_local(cmd, stdin, timeout, on_stdout, on_stderr)
         try:
             chan = self.client.get_transport().open_session(timeout=self.timeout)
             chan.exec_command(cmd)
-            return _pump(chan, stdin, on_stdout, on_stderr, timeout)
+            return _pump(chan, stdin() if callable(stdin) else stdin, on_stdout, on_stderr, timeout)
         except TimeoutError:
             raise HarnessError(f"host {self.name}: command timed out after {timeout}s")
         except (paramiko.SSHException, EOFError, OSError) as e:
@@ -411,6 +414,8 @@ class HostConnection:
     def _exec_local(self, cmd, stdin, timeout, on_stdout, on_stderr) -> ExecResult:
         proc = subprocess.Popen(["bash", "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
+        if callable(stdin):
+            stdin = stdin()
         if on_stdout is None and on_stderr is None:
             try:
                 out, err = proc.communicate(stdin, timeout=timeout)
@@ -447,17 +452,19 @@ class HostConnection:
     def python(self) -> str:
         return shell_path(self.host.python)
 
-    def run_script(self, entry: str, spec: dict, modules: Iterable[str] = (), timeout: float | None = None,
-                   remote_dir: Path | None = None) -> dict:
-        """Run ``remote/tools/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip."""
+    def run_script(self, entry: str, spec: dict | Callable[[], dict], modules: Iterable[str] = (),
+                   timeout: float | None = None, remote_dir: Path | None = None) -> dict:
+        """Run ``remote/tools/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip.
+        ``spec`` may be a callable, called while the host starts its interpreter (see ``exec``)."""
         root = remote_dir or TOOLS_DIR
-        payload = {
-            "modules": {n: (root / f"{n}.py").read_text() for n in with_deps([entry, *modules])},
-            "entry": entry,
-            "spec": spec,
-        }
+        modules = with_deps([entry, *modules])
+
+        def payload() -> bytes:
+            return json.dumps({"modules": {n: (root / f"{n}.py").read_text() for n in modules}, "entry": entry,
+                               "spec": spec() if callable(spec) else spec}).encode()
+
         cmd = f"{self.python} -c {shlex.quote(_BOOTSTRAP)}"
-        res = self.exec(cmd, stdin=json.dumps(payload).encode(), timeout=timeout)
+        res = self.exec(cmd, stdin=payload, timeout=timeout)
         try:
             reply = json.loads(res.stdout)
         except json.JSONDecodeError:

@@ -54,6 +54,11 @@ class Contracts:
     #: COMMON_SETTINGS of stages/common.py: read by every stage
     common: dict[str, Any]
 
+    @functools.cached_property
+    def merged(self) -> dict[str, Any]:
+        """Every pipeline setting -> its default, merged once (read-only: ``default`` copies)."""
+        return self.defaults()
+
     def defaults(self) -> dict[str, Any]:
         """Every pipeline setting -> its default (a copy: mutating it changes nothing here)."""
         out = dict(self.common)
@@ -160,8 +165,8 @@ def load(remote: Path | None = None) -> Contracts:
 
 def default(name: str) -> Any:
     """The default of pipeline setting ``name`` (a copy), as the stages declare it."""
-    defaults = load().defaults()
+    defaults = load().merged
     if name not in defaults:
         raise ContractError(f"pipeline setting {name!r} is declared by no stage (remote/stages/*.py SETTINGS, "
                             "common.py COMMON_SETTINGS)")
-    return defaults[name]
+    return copy.deepcopy(defaults[name])
