@@ -83,10 +83,6 @@ class EnvFile:
     secrets: dict[str, str] = field(default_factory=dict)
     missing_secrets: list[str] = field(default_factory=list)
 
-    @property
-    def masker(self) -> Masker:
-        return Masker(self.secrets.values())
-
     def masked(self) -> str:
         return mask_env_text(self.text, self.secrets)
 

@@ -205,7 +205,7 @@ def checks_pass(target: Target, patch: dict) -> bool:
 # ------------------------------------------------------------------------------------------------
 # status
 
-def _patch_states(target: Target) -> tuple[list[dict], dict, dict]:
+def patch_states(target: Target) -> tuple[list[dict], dict, dict]:
     chosen, skipped = selected_patches(target)
     chains = file_chains(target, chosen)
     current = {rel: file_sha(target.path(rel)) for rel in chains}
@@ -246,7 +246,7 @@ def _patch_states(target: Target) -> tuple[list[dict], dict, dict]:
     return out, files, chains
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
@@ -264,11 +264,11 @@ def status(spec: dict) -> dict:
     if target.series is None:
         return {**base, "ok": False, "state": "version mismatch", "error": target.mismatch()}
     try:
-        patches, files, _ = _patch_states(target)
+        patches, files, _ = patch_states(target)
     except Refused as e:
         return {**base, "ok": False, "state": "error", "error": str(e)}
-    journal = _read_json(target.envdir / "journal.json")
-    manifest = _read_json(target.envdir / "manifest.json")
+    journal = read_json(target.envdir / "journal.json")
+    manifest = read_json(target.envdir / "manifest.json")
     busy = lock_holder(target.envdir)
     return {**base, "ok": True, "state": "ok", "patches": patches, "files": files, "manifest": manifest,
             "busy": busy, "interrupted": journal["op"] if journal and busy is None else None}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from distinfo import record_b64
 from patchstate import (
-    Refused, Target, _patch_states, _read_json, file_chains, file_sha, selected_patches, sha256_hex, status,
+    Refused, Target, patch_states, read_json, file_chains, file_sha, selected_patches, sha256_hex, status,
 )
 
 TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
@@ -273,7 +273,7 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
 
 def recover(target: Target) -> str | None:
     """Complete a transaction a previous call left behind (killed mid-swap). Caller holds the lock."""
-    journal = _read_json(target.envdir / "journal.json")
+    journal = read_json(target.envdir / "journal.json")
     # a kill inside write_atomic leaves its temp file: never needed (the staged copies are the source)
     dropped = _drop_temp_files(target, journal)
     if journal is None:
@@ -320,7 +320,7 @@ def _transact(target: Target, op: str, changes: list[dict], manifest: dict | Non
 
 def _pending(target: Target) -> tuple[list[dict], dict, list[dict], list[str]]:
     """What apply would do: per file the patches still to apply, refusing drifted files."""
-    rows, files, chains = _patch_states(target)
+    rows, files, chains = patch_states(target)
     drifted = [rel for rel, f in files.items() if f["state"] == "drifted"]
     if drifted:
         hand = [r["name"] for r in rows if r["state"] == "applied by hand"]
@@ -401,7 +401,7 @@ def apply(spec: dict) -> dict:
             if sha256_hex(cur) != f["pristine"]:
                 cur = _reverse_to_pristine(target, rel, cur)
             write_atomic(b, cur)
-        old = _read_json(target.envdir / "manifest.json") or {}
+        old = read_json(target.envdir / "manifest.json") or {}
         manifest = {
             "package": target.package, "version": target.version, "site": str(target.site),
             "python": sys.executable, "env_id": target.env_id, "facts": target.facts,
@@ -414,7 +414,7 @@ def apply(spec: dict) -> dict:
         changes = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel]}
                    for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
         _transact(target, "apply", changes, manifest, spec)
-    rows, _, _ = _patch_states(target)
+    rows, _, _ = patch_states(target)
     return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
             "applied": [p["name"] for p in todo], "files": [c["rel"] for c in changes],
             "message": f"applied {len(todo)} patches to {len(changes)} files", "patches": rows,
@@ -468,8 +468,8 @@ def rollback(spec: dict) -> dict:
             out["recovered"] = recovered
             return out
         target.require_series()
-        rows, files, chains = _patch_states(target)
-        manifest = _read_json(target.envdir / "manifest.json") or {}
+        rows, files, chains = patch_states(target)
+        manifest = read_json(target.envdir / "manifest.json") or {}
         rels = sorted(set(files) | set((manifest.get("files") or {})))
         changes, drifted = [], []
         for rel in rels:
@@ -501,7 +501,7 @@ def rollback(spec: dict) -> dict:
     bad = _record_check(target, [c["rel"] for c in changes])
     if bad:
         raise Refused(f"after rollback {', '.join(bad)} do not match pip's RECORD")
-    rows, _, _ = _patch_states(target)
+    rows, _, _ = patch_states(target)
     return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
             "restored": [c["rel"] for c in changes], "forced": drifted,
             "message": f"restored {len(changes)} files; each matches pip's RECORD", "patches": rows}
