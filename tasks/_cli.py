@@ -70,6 +70,19 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def print_wide(renderable, to: str = "out") -> None:
+    """Print a table whole: off a terminal (a pipe, CI, a log file) at the width it needs rather than
+    squeezed into 80 columns ("succee…")."""
+    out = console(to)
+    if not out.is_terminal:
+        from rich.console import Console
+        from rich.measure import Measurement
+
+        width = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
+        out = Console(file=out.file, width=max(width, 80), color_system=out.color_system, highlight=False)
+    out.print(renderable)
+
+
 def print_failures(results, to: str = "err") -> None:
     """Each failed host's message on one line (never wrapped), prefixed by its name, in red."""
     for f in results.failed.values():

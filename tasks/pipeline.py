@@ -2,8 +2,8 @@
 skipping every stage whose inputs hash to those of its last successful run."""
 from invoke import task
 
-from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, console, emit_json, finish, load,
-                        print_failures)
+from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, emit_json, finish, load, print_failures,
+                        print_wide)
 
 
 @task(help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
@@ -30,8 +30,7 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
         emit_json(results.to_json(lambda runs: [r.as_dict() for r in runs]))
     else:
         for name, runs in results.succeeded.items():
-            # not a terminal (CI, a log file): print the table whole rather than squeezed to 80 columns
-            console().print(summary_table(name, runs), width=None if console().is_terminal else 220)
+            print_wide(summary_table(name, runs))
         print_failures(results)
     finish(results)
 

@@ -2,7 +2,7 @@
 from invoke import task
 
 from tasks._cli import (COMMON_HELP, StageView, clean_errors, console, emit_json, escape, finish, load,
-                        print_failures)
+                        print_failures, print_wide)
 
 _STYLE = {"succeeded": "green", "failed": "red", "lost": "red", "stopped": "yellow"}
 
@@ -24,7 +24,6 @@ def list_(c, inventory=None, hosts=None, json=False):
     if json:
         emit_json(results.to_json())
         return finish(results)
-    from rich.measure import Measurement
     from rich.table import Table
 
     t = Table("host", "run", "stage", "attempt", "state", "started", "ended", "exit", "error")
@@ -37,14 +36,7 @@ def list_(c, inventory=None, hosts=None, json=False):
                       f"[{_STYLE.get(r['state'], 'cyan')}]{r['state']}[/]", r.get("started_at") or "",
                       r.get("ended_at") or "", "" if r.get("exit_code") is None else str(r["exit_code"]),
                       escape(r.get("error") or ""))
-    out = console()
-    # a table wider than a pipe's 80 columns would be cut to "succee…": give it the width it needs there
-    if not out.is_terminal:
-        from rich.console import Console
-
-        width = Measurement.get(out, out.options.update_width(10_000), t).maximum
-        out = Console(file=out.file, width=max(width, 80), color_system=out.color_system, highlight=False)
-    out.print(t)
+    print_wide(t)
     print_failures(results, to="out")  # a message in a table cell would wrap into a column of fragments
     finish(results)
 

@@ -49,7 +49,7 @@ def test_default_pipeline_on_smollm2(tmp_path):
     assert (ckpt / "model.safetensors").stat().st_size > 0
     assert (Path(by["train"]["pulled"]) / "loss.png").stat().st_size > 0
 
-    # the draft really drafts: held-out acceptance length (greedy chain, k = 3) well above 1.0, which
-    # means nothing accepted; bench/pipeline.py prints it against the bar
+    # the draft really drafts: held-out acceptance length (greedy chain, k = 3) at the bench's bar
+    # (bench/pipeline.py); the run is deterministic on a CPU (1.86 with the shipped inventory)
     acceptance = by["evaluate"]["result"]["acceptance_length"]
-    assert acceptance >= 1.25, f"acceptance length {acceptance:.2f}: the draft barely drafts"
+    assert acceptance >= 1.8, f"acceptance length {acceptance:.2f}: below the bench's bar of 1.8"
