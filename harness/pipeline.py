@@ -17,12 +17,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from harness import REMOTE_DIR, patches, runner, runs
+from harness import REMOTE_DIR, patches, runner, runs, stagecontract
 from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.inventory import Inventory
 from harness.runner import StageRun
-from harness import stagecontract
 
 # All of the following is derived from the contract each stage declares at the top of its module
 # (READS, GPU, SETTINGS; common.py's COMMON_SETTINGS), read without importing it: harness/stagecontract.py.

@@ -70,6 +70,16 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def dest_for(dest: str | None, host: str, many: bool):
+    """Where a host's artifacts go: ``dest`` itself, or ``dest/<host>`` when several hosts share it
+    (None: the harness's default, ``runs/<run-id>``)."""
+    from pathlib import Path
+
+    if not dest:
+        return None
+    return Path(dest) / host if many else Path(dest)
+
+
 def print_wide(renderable, to: str = "out") -> None:
     """Print a table whole: off a terminal (a pipe, CI, a log file) at the width it needs rather than
     squeezed into 80 columns ("succee…")."""

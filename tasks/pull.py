@@ -1,7 +1,7 @@
 """inv pull: a run's artifacts to this machine, resumable, each file verified against SHA256SUMS."""
 from invoke import task
 
-from tasks._cli import ByteBar, COMMON_HELP, clean_errors, console, emit_json, escape, finish, load
+from tasks._cli import ByteBar, COMMON_HELP, clean_errors, console, dest_for, emit_json, escape, finish, load
 
 
 @task(help=COMMON_HELP | {"run": "the run id", "dest": "destination directory (default runs/<run-id>)",
@@ -11,8 +11,6 @@ from tasks._cli import ByteBar, COMMON_HELP, clean_errors, console, emit_json, e
 @clean_errors
 def pull(c, run, inventory=None, hosts=None, json=False, dest=None, all=False, include=None, method="auto"):
     """Pull a run's artifacts, resumable, each file verified against SHA256SUMS before it is placed."""
-    from pathlib import Path
-
     from harness import pull as _pull
     from harness.parallel import on_hosts, with_connection
 
@@ -20,7 +18,7 @@ def pull(c, run, inventory=None, hosts=None, json=False, dest=None, all=False, i
     globs = tuple(g for g in (include or "").split(",") if g)
 
     def one(conn):
-        d = Path(dest) / conn.name if dest and len(selected) > 1 else (Path(dest) if dest else None)
+        d = dest_for(dest, conn.name, len(selected) > 1)
         bar = ByteBar(f"{conn.name} {run}", show=not json and len(selected) == 1)
         try:
             return _pull.pull(conn, run, d, include_all=all, include=globs, method=method, on_progress=bar)

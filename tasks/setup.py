@@ -1,8 +1,7 @@
 """inv setup: create each host's Python environment from the pinned profile in remote/requirements/."""
 from invoke import task
-from invoke.exceptions import Exit
 
-from tasks._cli import COMMON_HELP, HostOutput, clean_errors, emit_json, load
+from tasks._cli import COMMON_HELP, HostOutput, clean_errors, emit_json, finish, load
 
 
 @task(help=COMMON_HELP | {"base_python": "the host's interpreter that creates the venv (default python3)"})
@@ -23,5 +22,4 @@ def setup(c, inventory=None, hosts=None, json=False, base_python="python3"):
         emit_json({"setup": done.to_json(), "audit": _audit.as_json(results)})
     else:
         render(results)
-    if done.failed:
-        raise Exit("\n".join(done.error_lines()), code=1)
+    finish(done)

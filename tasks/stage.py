@@ -2,14 +2,13 @@
 run path as the pipeline: launch, follow, check the run and the service, pull)."""
 from invoke import Collection, task
 
-from tasks._cli import COMMON_HELP, HostOutput, StageView, clean_errors, emit_json, finish, load, print_failures
+from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, dest_for, emit_json, finish, load,
+                        print_failures)
 
 
 def _stage_task(name: str):
     def body(c, inventory=None, hosts=None, json=False, run_id=None, inputs=None, gpu="auto", follow=True,
              pull=False, dest=None):
-        from pathlib import Path
-
         from harness import runner, runs
         from harness.errors import HarnessError
         from harness.parallel import on_hosts, with_connection
@@ -22,7 +21,7 @@ def _stage_task(name: str):
         live = len(selected) == 1 and not json
 
         def one(conn):
-            d = Path(dest) / conn.name if dest and len(selected) > 1 else (Path(dest) if dest else None)
+            d = dest_for(dest, conn.name, len(selected) > 1)
             with StageView(f"{conn.name} {name}", show=live, echo=None if live else out.for_host(conn.name)) as view:
                 res = runner.run_stage(conn, inv, name, run_id=run_id, inputs=ins,
                                        gpu={"auto": None, "on": True, "off": False}[gpu], follow=follow,
