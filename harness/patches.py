@@ -101,17 +101,22 @@ def _line_of(text: str, loc: tuple) -> int | None:
         return None
 
 
-def load_series(path: Path) -> Series:
-    """Read and validate one series.yaml; every problem is one line naming the file, field and line."""
+def read_yaml(path: Path) -> tuple[str, object]:
+    """(text, parsed) of a YAML file; a read or syntax error is one line naming the file and line."""
     try:
         text = path.read_text()
-        raw = yaml.safe_load(text)
+        return text, yaml.safe_load(text)
     except OSError as e:
         raise HarnessError(f"{path}: cannot read: {e.strerror}")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise HarnessError(f"{path}:{mark.line + 1 if mark else '?'}: YAML syntax error: "
                            f"{getattr(e, 'problem', None) or e}")
+
+
+def load_series(path: Path) -> Series:
+    """Read and validate one series.yaml; every problem is one line naming the file, field and line."""
+    text, raw = read_yaml(path)
     try:
         series = Series.model_validate(raw)
     except ValidationError as e:
@@ -206,8 +211,7 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 
     d = (root or PATCHES_DIR) / package / version
     path = d / "series.yaml"
-    text = path.read_text()
-    raw = yaml.safe_load(text)
+    text, raw = read_yaml(path)
     wheel = wheel or fetch_wheel(package, version, raw.get("wheel"))
     zf = zipfile.ZipFile(wheel)
     current: dict[str, bytes] = {}

@@ -29,8 +29,9 @@ NUM_LAYERS = 8
 HIDDEN = 64
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    """Write a tokenizer + LlamaForCausalLM directory at ``path`` and return it."""
+def build_tiny_model(path: Path, seed: int = 0, hidden: int = HIDDEN, heads: int = 4) -> Path:
+    """Write a tokenizer + LlamaForCausalLM directory at ``path`` and return it. (vLLM's CPU attention
+    needs a head size of 32 or more: ``hidden=128, heads=4`` for a model that vLLM runs.)"""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -51,8 +52,8 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False,
     )

