@@ -72,11 +72,16 @@ class HostSpec(_Strict):
     python: str = "python3"
     workdir: str = "~/.eagle-harness"
     profile: str = "cpu"
+    #: the pinned requirements profile ``inv setup`` installs (remote/requirements/<name>.txt); unset:
+    #: ``cpu`` for the cpu hardware profile, else ``gpu``
+    requirements: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]*$")
     gpus: int = Field(default=0, ge=0)
     #: free disk (GiB) under the workdir that a stage's launch requires, checked before anything stops
     min_free_gb: float = Field(default=1.0, ge=0)
     service: ServiceSpec | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    #: pipeline settings of this host only, over the top-level ``pipeline:`` (e.g. ``backend: vllm``)
+    pipeline: "PipelineSpec | None" = None
 
     @field_validator("host_key")
     @classmethod
@@ -172,6 +177,9 @@ class PipelineSpec(_Strict):
     extra: dict[str, Any] = _default("extra")
 
 
+HostSpec.model_rebuild()
+
+
 class Inventory(_Strict):
     hosts: dict[str, HostSpec]
     model: ModelSpec | None = None
@@ -186,6 +194,19 @@ class Inventory(_Strict):
         for name, host in self.hosts.items():
             host.name = name
         return self
+
+    def pipeline_for(self, host: str) -> PipelineSpec:
+        """The pipeline settings ``host`` runs with: the top-level ones, with the fields that the host's
+        own ``pipeline:`` sets over them."""
+        own = self.hosts[host].pipeline if host in self.hosts else None
+        if own is None or not own.model_fields_set:
+            return self.pipeline
+        return self.pipeline.model_copy(update={k: getattr(own, k) for k in own.model_fields_set})
+
+    def for_host(self, host: str) -> "Inventory":
+        """This inventory as ``host`` sees it (its pipeline settings merged): what its stages are given."""
+        merged = self.pipeline_for(host)
+        return self if merged is self.pipeline else self.model_copy(update={"pipeline": merged})
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -106,6 +106,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     pipeline decides (patched, skipped, running), ``on_line`` every log line of a running stage."""
     say = say or (lambda m: None)
     stages = select_stages(start, stop)
+    inv = inv.for_host(conn.name)  # the host's own pipeline settings over the top-level ones
     ids = run_ids(inv)
     if patch:
         _ensure_patched(conn, say)

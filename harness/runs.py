@@ -162,6 +162,7 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
     run_id = check_run_id(run_id or new_run_id(stage))
     gpu = host.gpus > 0 if gpu is None else gpu
     before = conn.round_trips
+    inv = inv.for_host(host.name) if inv else None
     envf = render_env(host, inv, environ=environ)
     sspec = stage_spec(inv, stage, extra)
     spec_hash = hashlib.sha256(json.dumps([sspec, inputs or {}], sort_keys=True, default=str).encode()).hexdigest()

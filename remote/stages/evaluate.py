@@ -15,9 +15,11 @@ time; (4) walk the continuation: from position t, accept the proposals of t-1 th
 accepted + 1. tests/test_stages.py checks this against a literal step-by-step loop.
 
 Held-out prompts come from prepare's ``heldout.jsonl`` (never trained on); the continuation is
-``pipeline.max_new_tokens`` long at most. With ``pipeline.backend: vllm`` and vLLM on the host, the
-same prompts also go through vLLM with the checkpoint as its EAGLE-3 speculative model, and vLLM's
-own counters give ``vllm_acceptance_length``.
+``pipeline.max_new_tokens`` long at most. The target runs where the backend says: ``hf`` loads it with
+transformers (small targets); ``vllm`` never does (a 1T target exists only inside vLLM): steps (1) and
+(2) go through vLLM's offline engine and speculators' generator (stages/lib/vllm_engine), and only the
+draft runs in torch. With ``pipeline.vllm_spec_decode`` the prompts also go through vLLM with the
+checkpoint as its EAGLE-3 speculative model, and vLLM's own counters give ``vllm_acceptance_length``.
 
 Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, steps, tokens).
 """
@@ -36,8 +38,10 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "max_new_tokens": 128,         # the longest continuation of a held-out prompt
     "max_seq_len": 512,            # vllm: its max_model_len is this + max_new_tokens
     "batch_size": 8,               # prompts generated and captured together
-    "backend": "hf",               # vllm: also measure vLLM's own acceptance, when vLLM is on the host
+    "backend": "hf",               # hf: the target in transformers; vllm: continuations and states from vLLM
     "tensor_parallel": 1,          # vllm: GPUs the target is split over
+    "gpu_memory_utilization": 0.8,  # vllm: the fraction of each GPU's memory it may take
+    "vllm_spec_decode": False,     # also run vLLM with the draft as its EAGLE-3 speculator, read its counters
     "compile": None,               # torch.compile the draft; unset: only on CUDA
 }
 
@@ -99,6 +103,55 @@ def walk(sequence: list[int], chains: list[list[int]], prompt_len: int, k: int) 
     return accepted
 
 
+def along_hf(spec, cfg, model_path, tokenizer, prompts, layers, dev):
+    """``(prompt, prompt + greedy continuation, captured states)`` per prompt, with transformers: a
+    batch of prompts generated, then captured in one forward."""
+    target = common.load_model(spec, model_path, dev, common.compute_dtype(cfg, dev))
+    capture = HfCapture(target, layers)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), cfg.batch_size):
+        chunk = [prompts[i] for i in order[start:start + cfg.batch_size]]
+        sequences = [p + reply for p, reply in zip(chunk, generate(target, tokenizer, chunk, cfg.max_new_tokens, dev))]
+        batch = right_padded(sequences).to(dev)
+        states = capture(batch)
+        for row, (prompt, sequence) in enumerate(zip(chunk, sequences)):
+            yield prompt, sequence, [h[row, :len(sequence)] for h in states]
+        common.progress(min(start + cfg.batch_size, len(order)), len(order), "prompts")
+
+
+def along_vllm(spec, cfg, model_path, tokenizer, prompts, layers, dev):
+    """The same through vLLM, never a transformers load of the target: the continuations from vLLM's
+    offline engine (all prompts in one call), then that engine freed and the states along each
+    sequence from speculators' generator (the extract stage's, same layers, same patches)."""
+    from stages.lib import vllm_engine
+
+    common.require_vllm(STAGE)
+    max_len = cfg.max_seq_len + cfg.max_new_tokens
+    llm = vllm_engine.TargetLLM(model_path, max_model_len=max_len, tensor_parallel=cfg.tensor_parallel,
+                                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+    try:
+        sequences = [p + reply for p, reply in zip(prompts, llm(prompts, cfg.max_new_tokens))]
+    finally:
+        llm.close()
+    generator = vllm_engine.hidden_states_generator(model_path, layers, max_model_len=max_len + 1,
+                                                    tensor_parallel=cfg.tensor_parallel,
+                                                    gpu_memory_utilization=cfg.gpu_memory_utilization)
+    try:
+        for start in range(0, len(sequences), cfg.batch_size):
+            chunk = list(range(start, min(start + cfg.batch_size, len(sequences))))
+            results = generator.generate([sequences[i] for i in chunk])
+            for i, result in zip(chunk, results):
+                rows = {h.shape[0] for h in result["hidden_states"]}
+                if rows != {len(sequences[i])}:
+                    common.fail(STAGE, f"held-out prompt {i}: {len(sequences[i])} tokens but hidden-state rows "
+                                       f"{sorted(rows)}; inv patch.status (0008 turns prefix caching off)")
+                yield prompts[i], sequences[i], result["hidden_states"]
+            common.progress(chunk[-1] + 1, len(sequences), "prompts")
+    finally:
+        vllm_engine.close(generator)
+
+
 def evaluate_vllm(spec, cfg, model_path, checkpoint, prompts, k) -> dict:
     """vLLM's own acceptance counters with the checkpoint as EAGLE-3 speculative model."""
     from vllm import LLM, SamplingParams
@@ -118,8 +171,6 @@ def evaluate_vllm(spec, cfg, model_path, checkpoint, prompts, k) -> dict:
 
 
 def main(spec: dict) -> dict:
-    import importlib.util
-
     import torch
 
     cfg = common.settings(spec, SETTINGS)
@@ -139,26 +190,16 @@ def main(spec: dict) -> dict:
 
     model_path = common.model_dir(spec)
     tokenizer = common.load_tokenizer(spec, model_path)
-    target = common.load_model(spec, model_path, dev, common.compute_dtype(cfg, dev))
-    capture = HfCapture(target, layers)
     draft = load_draft(checkpoint).to(dev)
-
     prompts = [tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for m in heldout]
-    max_new, batch_size = cfg.max_new_tokens, cfg.batch_size
+    along = along_vllm if cfg.backend == "vllm" else along_hf
     accepted, generated = [], 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in range(0, len(order), batch_size):
-        chunk = [prompts[i] for i in order[start:start + batch_size]]
-        sequences = [prompt + reply for prompt, reply in zip(chunk, generate(target, tokenizer, chunk, max_new, dev))]
-        batch = right_padded(sequences).to(dev)  # one capture for the chunk
-        states = capture(batch)
-        for row, (prompt, sequence) in enumerate(zip(chunk, sequences)):
-            n = len(sequence)
-            chains = draft_chains(draft, [h[row, :n] for h in states], batch[row, :n], k)
-            accepted += walk(sequence, chains, len(prompt), k)
-            generated += n - len(prompt)
-        common.progress(min(start + batch_size, len(order)), len(order), "prompts")
+    for prompt, sequence, states in along(spec, cfg, model_path, tokenizer, prompts, layers, dev):
+        ids = torch.tensor(sequence, device=dev)
+        chains = draft_chains(draft, [h.to(dev) for h in states], ids, k)
+        accepted += walk(sequence, chains, len(prompt), k)
+        generated += len(sequence) - len(prompt)
 
     steps = len(accepted)
     reached = [sum(1 for a in accepted if a >= s) for s in range(k + 1)]
@@ -169,7 +210,9 @@ def main(spec: dict) -> dict:
         "acceptance_rate_per_position": [round(reached[s + 1] / reached[s], 4) if reached[s] else 0.0
                                          for s in range(k)],
     }
-    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is not None:
+    metrics["measured_with"] = "vllm" if cfg.backend == "vllm" else "transformers"
+    if cfg.vllm_spec_decode:
+        common.require_vllm(STAGE)
         metrics.update(evaluate_vllm(spec, cfg, model_path, checkpoint, prompts, k))
     common.write_json(out / "metrics.json", metrics)
     return {**metrics, "seconds": timer()}

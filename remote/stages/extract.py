@@ -14,7 +14,8 @@ Backends (``pipeline.backend``):
   right-padded (causal attention never lets a real token see the padding after it); the tokens all
   samples of a batch start with (the chat template's system prompt) run once, the rest on their cache.
 * ``vllm``: speculators' VllmHiddenStatesGenerator (patched for the host's vLLM), tensor parallel over
-  ``pipeline.tensor_parallel`` GPUs.
+  ``pipeline.tensor_parallel`` GPUs; a sample whose hidden-state rows are not its token count stops
+  the stage (never saved short).
 
 Each sample is saved with only its own bytes (tensors cloned out of the batch: a view would drag the
 whole batch's storage into the file) and atomically (temp file + rename), so after an interruption a
@@ -81,30 +82,31 @@ def extract_hf(spec, cfg, dataset, todo, layers, out, model_path):
 
 
 def extract_vllm(spec, cfg, dataset, todo, layers, out, model_path):
-    try:
-        import vllm  # noqa: F401  (its absence is the common mistake: say so in one line)
-        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-    except ImportError as e:
-        common.fail(STAGE, f"backend vllm needs vLLM on the host ({e}); set pipeline.backend: hf, "
-                           "or run inv setup with the gpu profile")
-    generator = VllmHiddenStatesGenerator(
-        model_path=model_path,
-        layer_ids=layers,
-        max_model_len=cfg.max_seq_len + 1,  # it keeps len(prompt) + 1 <= max
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        tensor_parallel_size=cfg.tensor_parallel,
-    )
+    from stages.lib import vllm_engine
+
+    common.require_vllm(STAGE)
+    generator = vllm_engine.hidden_states_generator(
+        model_path, layers, max_model_len=cfg.max_seq_len + 1,  # it keeps len(prompt) + 1 <= max
+        tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization)
     batch_size = cfg.batch_size
     done = len(dataset) - len(todo)
-    for start in range(0, len(todo), batch_size):
-        index = todo[start:start + batch_size]
-        rows = [dataset[i] for i in index]
-        results = generator.generate([r["input_ids"].tolist() for r in rows])
-        for i, r, result in zip(index, rows, results):
-            n = len(result["input_ids"])
-            save_sample(out / f"data_{i}.pt", result["input_ids"], result["hidden_states"], r["loss_mask"][:n])
-        done += len(rows)
-        common.progress(done, len(dataset), "samples")
+    try:
+        for start in range(0, len(todo), batch_size):
+            index = todo[start:start + batch_size]
+            rows = [dataset[i] for i in index]
+            results = generator.generate([r["input_ids"].tolist() for r in rows])
+            for i, r, result in zip(index, rows, results):
+                n, got = len(r["input_ids"]), [h.shape[0] for h in result["hidden_states"]]
+                if len(result["input_ids"]) != n or any(rows_ != n for rows_ in got):
+                    # the seed's silent loss (prefix caching): a sample must never be saved short
+                    common.fail(STAGE, f"sample {i}: {n} tokens but the generator returned "
+                                       f"{len(result['input_ids'])} ids and {got} hidden-state rows; "
+                                       "inv patch.status (0008 turns prefix caching off)")
+                save_sample(out / f"data_{i}.pt", result["input_ids"], result["hidden_states"], r["loss_mask"])
+            done += len(rows)
+            common.progress(done, len(dataset), "samples")
+    finally:
+        vllm_engine.close(generator)
 
 
 def main(spec: dict) -> dict:

@@ -8,7 +8,8 @@ not parse stops the stage with one line naming the file and the line. Rows are i
 others whose prompts only go to evaluate (never trained on).
 
 With ``pipeline.regenerate`` every assistant turn is rewritten by the target itself (greedy, batched,
-``pipeline.max_new_tokens`` per turn): the draft then learns the distribution it will have to guess
+``pipeline.max_new_tokens`` per turn; with ``pipeline.backend: vllm`` through vLLM, never a transformers
+load of the whole target): the draft then learns the distribution it will have to guess
 at serving time, not a third party's. Tokenisation and loss masks are speculators' own
 ``build_eagle3_dataset`` (the tokenizer's chat template; mask = assistant content only), truncated
 to ``pipeline.max_seq_len``.
@@ -35,7 +36,10 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "regenerate": True,            # rewrite every assistant turn with the target's own greedy reply
     "max_new_tokens": 128,         # tokens per regenerated reply
     "max_seq_len": 512,            # tokens per sample (prompt + reply), longer ones truncated
-    "batch_size": 8,               # prompts generated together
+    "batch_size": 8,               # prompts generated together (hf; vLLM schedules its own batches)
+    "backend": "hf",               # hf: transformers generates; vllm: vLLM's offline engine does
+    "tensor_parallel": 1,          # vllm: GPUs the target is split over
+    "gpu_memory_utilization": 0.8,  # vllm: the fraction of each GPU's memory it may take
 }
 
 
@@ -114,9 +118,11 @@ def load_conversations(cfg: common.Settings) -> list[list[dict]]:
     return [_normalize_conversation(conv) for conv in rows[column] if conv]
 
 
-def regenerate(conversations: list[list[dict]], model, tokenizer, cfg: common.Settings, dev: str) -> list[list[dict]]:
+def regenerate(conversations: list[list[dict]], complete, tokenizer, cfg: common.Settings) -> list[list[dict]]:
     """Rewrite every assistant turn with the target's own greedy continuation, one turn index at a time
-    over all conversations (turn r sees the regenerated turns before it), batched by prompt length."""
+    over all conversations (turn r sees the regenerated turns before it). ``complete(prompts, max_new)``
+    is the target's greedy generation (transformers batches by prompt length; vLLM takes a whole turn
+    index at once and schedules it itself)."""
     max_new, budget, batch_size = cfg.max_new_tokens, cfg.max_seq_len - cfg.max_new_tokens, cfg.batch_size
     prompts = [[t for t in conv if t["role"] != "assistant"] for conv in conversations]
     user_turns = [[i for i, t in enumerate(p) if t["role"] == "user"] for p in prompts]
@@ -136,9 +142,10 @@ def regenerate(conversations: list[list[dict]], model, tokenizer, cfg: common.Se
             out[c], taken[c] = history, turns[r] + 1
             todo.append((c, ids))
         todo.sort(key=lambda x: len(x[1]))  # similar lengths together: less padding
+        batch_size = batch_size or max(len(todo), 1)
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            for (c, _), reply in zip(chunk, generate(model, tokenizer, [ids for _, ids in chunk], max_new, dev)):
+            for (c, _), reply in zip(chunk, complete([ids for _, ids in chunk], max_new)):
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 out[c].append({"role": "assistant", "content": text})
             done += len(chunk)
@@ -168,12 +175,26 @@ def main(spec: dict) -> dict:
     if not getattr(tokenizer, "chat_template", None):
         common.fail(STAGE, f"the tokenizer of {path} has no chat template; use an instruct/chat model")
 
-    if cfg.regenerate:
+    if cfg.regenerate and cfg.backend == "vllm":
+        from stages.lib import vllm_engine
+
+        common.require_vllm(STAGE)
+        common.log(f"regenerating {len(train)} conversations with the target in vLLM (greedy, "
+                   f"{cfg.max_new_tokens} new tokens, tensor parallel {cfg.tensor_parallel})")
+        llm = vllm_engine.TargetLLM(path, max_model_len=cfg.max_seq_len, tensor_parallel=cfg.tensor_parallel,
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                    trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+        try:  # batch_size 0: all the prompts of a turn index in one call, vLLM schedules them
+            train = regenerate(train, llm, tokenizer, common.Settings({**cfg, "batch_size": 0}))
+        finally:
+            llm.close()
+    elif cfg.regenerate:
         dev = common.device(cfg)
         model = common.load_model(spec, path, dev, common.compute_dtype(cfg, dev))
         common.log(f"regenerating {len(train)} conversations with the target (greedy, batch "
                    f"{cfg.batch_size}, {cfg.max_new_tokens} new tokens)")
-        train = regenerate(train, model, tokenizer, cfg, dev)
+        train = regenerate(train, lambda prompts, max_new: generate(model, tokenizer, prompts, max_new, dev),
+                           tokenizer, cfg)
         del model
     train = [conv for conv in train if any(t["role"] == "assistant" and t["content"] for t in conv)]
     if not train:

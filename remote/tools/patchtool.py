@@ -478,7 +478,10 @@ def rollback(spec: dict) -> dict:
             if cur == pristine:
                 continue
             backup = target.envdir / "backup" / rel
-            known = rel in files and files[rel]["state"] != "drifted"
+            # ours: a state the series knows, or exactly what our last apply wrote (the series may have
+            # been edited since: a fixed patch, refreshed hashes)
+            wrote = (manifest.get("files") or {}).get(rel, {}).get("patched")
+            known = (rel in files and files[rel]["state"] != "drifted") or (cur == wrote and backup.exists())
             if not known:
                 drifted.append(rel)
                 if not force:
