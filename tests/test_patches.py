@@ -328,6 +328,39 @@ def test_file_edited_after_apply_refused_unless_forced(sshd, host_env, tmp_path)
     assert record_exact(py) == []
 
 
+def test_rollback_takes_back_what_was_applied_after_the_series_changed(sshd, host_env, tmp_path):
+    """A series fixed after a host was patched (a patch rewritten, its hashes refreshed): the host's files
+    now match neither the new series' states nor pristine, yet they are exactly what the last apply
+    wrote, so rollback restores them from its backups; then the new series applies."""
+    py = host_env("0.3.0", vllm="0.16.0")
+    inv_obj = load_inventory(inventory_for(sshd, py, tmp_path))
+    hosts = list(inv_obj.hosts.values())
+    assert hp.run_op(inv_obj, hosts, "apply")["gpu1"]["changed"] is True
+    root = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR, root)
+    p5 = root / "speculators/0.3.0/0005-step-protocol-per-request-prefill.patch"
+    text = p5.read_text()
+    fixed = text.replace("+        # Record which requests this step's tokens belong to, in batch order",
+                         "+        # Record which requests this step's tokens belong to (batch order)", 1)
+    assert fixed != text
+    p5.write_text(fixed)
+    series = root / "speculators/0.3.0/series.yaml"  # and the fix gets a check of its own, as 0005's did
+    text = series.read_text()
+    series.write_text(text.replace("    present: def _set_request_metadata\n",
+                                   "    present: def _set_request_metadata\n"
+                                   "  - file: speculators/data_generation/custom_worker.py\n"
+                                   "    present: belong to \\(batch order\\)\n", 1))
+    assert series.read_text() != text
+    hp.refresh("speculators", "0.3.0", wheel("speculators", "0.3.0"), root=root)
+    st = hp.run_op(inv_obj, hosts, "status", root=root)["gpu1"]
+    assert states(st)["0005"] == "drifted"  # neither the new series' bytes nor its new check
+    rb = hp.run_op(inv_obj, hosts, "rollback", root=root)["gpu1"]
+    assert rb["changed"] is True and record_exact(py) == []
+    ap = hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"]
+    assert ap["changed"] is True and "0005-step-protocol-per-request-prefill" in ap["applied"]
+    assert "(batch order)" in (site_packages(py) / "speculators/data_generation/custom_worker.py").read_text()
+
+
 def test_corrupted_hunk_aborts_with_everything_unchanged(sshd, host_env, tmp_path):
     py = host_env("0.3.0", vllm="0.16.0")
     inv = inventory_for(sshd, py, tmp_path)
