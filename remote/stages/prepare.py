@@ -142,9 +142,9 @@ def regenerate(conversations: list[list[dict]], complete, tokenizer, cfg: common
             out[c], taken[c] = history, turns[r] + 1
             todo.append((c, ids))
         todo.sort(key=lambda x: len(x[1]))  # similar lengths together: less padding
-        batch_size = batch_size or max(len(todo), 1)
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
+        step = batch_size or max(len(todo), 1)  # 0: the whole turn index at once
+        for start in range(0, len(todo), step):
+            chunk = todo[start:start + step]
             for (c, _), reply in zip(chunk, complete([ids for _, ids in chunk], max_new)):
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 out[c].append({"role": "assistant", "content": text})
