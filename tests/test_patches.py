@@ -417,10 +417,10 @@ def test_wrong_after_hash_shows_both_full_hashes(sshd, host_env, tmp_path):
         path.write_text(text.replace(f"after: {right}", f"after: {wrong}"))
         return root, right, wrong
 
-    # 0006 is the only patch of core.py: its result is checked against the wrong hash
-    root, right, wrong = tampered("0006", "speculators/models/eagle3/core.py")
+    # 0010 is the last patch of core.py: its result is checked against the wrong hash
+    root, right, wrong = tampered("0010", "speculators/models/eagle3/core.py")
     err = _refusal(hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"])
-    assert "0006-verifier-final-norm" in err and "speculators/models/eagle3/core.py" in err
+    assert "0010-verifier-weights-in-wrappers" in err and "speculators/models/eagle3/core.py" in err
     assert f"came out as sha256 {right} but series.yaml expects sha256 {wrong}" in err, err
     assert "nothing was changed" in err and "inv patch.refresh" in err
     # 0001's wrong result breaks the chain of the next patch of the same file (0003's before)

