@@ -13,6 +13,9 @@ import pytest
 from conftest import legacy_workdir, run_inv, write_inventory
 from models import build_kimi_shaped_model
 
+# first session on a machine: the legacy_python fixture's inv setup downloads the legacy-cpu profile
+pytestmark = pytest.mark.timeout(2700)
+
 ROWS = r"""
 import glob, json, sys, torch
 out = []
