@@ -90,7 +90,8 @@ def main() -> int:
     data = workdir / "runs" / by_stage["extract"]["run_id"] / "artifacts" / "data"
     rows = json.loads(subprocess.run([python, "-c", ROWS, str(data)], capture_output=True, text=True, check=True).stdout)
 
-    stages = ", ".join(f"{s} {r['seconds']:.0f}s ({r['state']})" for s, r in by_stage.items())
+    stages = ", ".join(f"{s} {(r.get('result') or {}).get('seconds', 0):.0f}s ({r['state']})"
+                       for s, r in by_stage.items())
     print(f"reference scenario in miniature on {a.host}: inv pipeline took {wall / 60:.1f} min this time; "
           f"each stage's own run: {stages}")
     bar("audit: vLLM", pk.get("vllm"), str(pk.get("vllm", "")).startswith(BARS["vllm"]), BARS["vllm"] + ".x")
