@@ -198,8 +198,12 @@ def test_shell_metacharacters_never_run(sshd, tmp_path):
     assert data["hosts"]["b"]["reachable"] is False
     assert "not found" in data["hosts"]["b"]["error"]
     assert not marker.exists()
-    r = run_inv("audit", "--inventory", str(inv), env={"HARNESS_X": evil})
-    assert not marker.exists()
+    # a value the harness does pass to the host (an inventory env variable, rendered into the env file
+    # that the host reads): it arrives as the literal text, and runs nothing on the way
+    inv = write_inventory(tmp_path, {"a": sshd.entry(env={"NCCL_DEBUG": evil})})
+    r = run_inv("env.render", "--inventory", str(inv), "--json")
+    assert r.returncode == 0, r.stderr
+    assert evil in r.stdout and not marker.exists()
 
 
 def test_local_transport_runs_same_probe(tmp_path):
