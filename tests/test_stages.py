@@ -302,7 +302,7 @@ def test_captured_layers_are_layer_outputs_and_vllm_ids_are_one_higher(pipeline_
     assert torch.allclose(model.model.norm(stored[3]), hf[NUM_LAYERS][0], atol=5e-2)
 
 
-def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
+def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny):
     """generate() and HfCapture run the tokens all rows start with (the chat template's system prompt)
     once and the rest on their KV cache. Replies and captured states must be those of the plain batch."""
     import torch
@@ -327,15 +327,20 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny, monkeypatch):
     capture = HfCapture(model, [1, 4, 6, 7])
     states = capture(batch)
 
-    monkeypatch.setattr(batching, "SHARED_PREFIX_MIN", 10**9)  # from here on: the plain batch
-    assert batching.shared_prefix(prompts) == 0
-    assert replies == generate(model, tok, prompts, 12, "cpu")
-    # and each row as if alone
-    assert replies == [generate(model, tok, [p], 12, "cpu")[0] for p in prompts]
-    plain = capture(batch)
-    for row, seq in enumerate(sequences):
-        for a, b in zip(states, plain):
-            assert torch.allclose(a[row, :len(seq)], b[row, :len(seq)], atol=1e-5, rtol=1e-4)
+    # the reference, independent of the shared-prefix code: each row alone, through transformers' own
+    # greedy generate and its output_hidden_states (layer i's output is hidden_states[i + 1]; the last
+    # layer's is returned after the final norm)
+    for prompt, reply in zip(prompts, replies):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, temperature=None,
+                               top_p=None, top_k=None, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        end = next((i + 1 for i, t in enumerate(alone) if t == tok.eos_token_id), len(alone))
+        assert reply == alone[:end]
+    with torch.inference_mode():
+        for row, seq in enumerate(sequences):
+            hf = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            for layer, a in zip([1, 4, 6], states[:3]):
+                assert torch.allclose(a[row, :len(seq)], hf[layer + 1][0], atol=1e-5, rtol=1e-4)
+            assert torch.allclose(model.model.norm(states[3][row, :len(seq)]), hf[NUM_LAYERS][0], atol=1e-5, rtol=1e-4)
 
 
 def test_extract_resumes_with_the_samples_not_yet_written(pipeline_run, patched_speculators, tmp_path):

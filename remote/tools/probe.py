@@ -144,13 +144,15 @@ def vllm_servers():
             continue
         if not re.search(r"vllm(\s+|\.entrypoints\S*\s*)(serve|api_server)|vllm\.entrypoints|vllm serve", joined):
             continue
-        port = None
+        port = model = None
         for i, a in enumerate(argv):
-            if a == "--port" and i + 1 < len(argv):
-                port = _int(argv[i + 1])
-            elif a.startswith("--port="):
-                port = _int(a.split("=", 1)[1])
-        model = next((a for a in argv[argv.index("serve") + 1:] if not a.startswith("-")), None) if "serve" in argv else None
+            if a in ("--port", "--model") and i + 1 < len(argv):
+                port, model = (_int(argv[i + 1]), model) if a == "--port" else (port, argv[i + 1])
+            elif a.startswith(("--port=", "--model=")):
+                key, value = a[2:].split("=", 1)
+                port, model = (_int(value), model) if key == "port" else (port, value)
+        if model is None and "serve" in argv:  # vllm serve MODEL
+            model = next((a for a in argv[argv.index("serve") + 1:] if not a.startswith("-")), None)
         found.append({"pid": int(pid), "port": port, "model": model, "cmdline": _mask_argv(argv)[:400]})
     return found
 
