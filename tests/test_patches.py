@@ -181,7 +181,7 @@ def test_series_hashes_recompute_from_wheel_and_gnu_patch_agrees(tmp_path):
         for rel in series_targets(version):
             r = subprocess.run([sys.executable, "-m", "py_compile", str(pristine / rel)], capture_output=True, text=True)
             assert r.returncode == 0, r.stderr
-    assert len(hp.load_series(PATCHES_DIR / "speculators/0.3.0/series.yaml").patches) == 10
+    assert len(hp.load_series(PATCHES_DIR / "speculators/0.3.0/series.yaml").patches) == 11
 
 
 def test_bad_series_yaml_names_file_field_and_line(tmp_path):
@@ -209,18 +209,18 @@ def test_apply_reapply_rollback_round_trip(sshd, host_env, tmp_path):
     assert rc == 0, err
     h = st["gpu1"]
     assert h["installed"] == "0.3.0" and h["facts"]["vllm"] == "0.16.0"
-    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 10
+    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 11
     assert h["round_trips"] == 1
 
     rc, plan, err = patch_cli("apply", inv, "--dry-run")
     assert rc == 0, err
-    assert plan["gpu1"]["would_apply"][0].startswith("0001") and len(plan["gpu1"]["would_apply"]) == 10
+    assert plan["gpu1"]["would_apply"][0].startswith("0001") and len(plan["gpu1"]["would_apply"]) == 11
     assert "+            model_path, trust_remote_code=True" in plan["gpu1"]["diff"]
     assert tree_digest(py) == before  # a dry run changes nothing
 
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert ap["gpu1"]["changed"] is True and len(ap["gpu1"]["applied"]) == 10
+    assert ap["gpu1"]["changed"] is True and len(ap["gpu1"]["applied"]) == 11
     assert ap["gpu1"]["round_trips"] == 1
     site = site_packages(py)
     for rel, want in series_targets("0.3.0").items():
@@ -229,7 +229,7 @@ def test_apply_reapply_rollback_round_trip(sshd, host_env, tmp_path):
         assert r.returncode == 0, r.stderr  # patched files compile on the host's python
     envdir = next((tmp_path / "wd" / "patches").iterdir())
     manifest = json.loads((envdir / "manifest.json").read_text())
-    assert manifest["version"] == "0.3.0" and len(manifest["applied"]) == 10
+    assert manifest["version"] == "0.3.0" and len(manifest["applied"]) == 11
     assert not (envdir / "journal.json").exists()
     rec = record_of(py)
     for rel in manifest["files"]:  # byte-exact pristine backups
@@ -262,7 +262,7 @@ def test_conditions_select_patches_by_facts(sshd, host_env, tmp_path):
     assert rc == 0, err
     assert [n[:4] for n in ap["gpu1"]["applied"]] == ["0001", "0002", "0006", "0010"]
     s = states(ap["gpu1"])
-    assert s["0003"] == s["0004"] == s["0005"] == s["0007"] == s["0008"] == s["0009"] == "not needed"
+    assert s["0003"] == s["0004"] == s["0005"] == s["0007"] == s["0008"] == s["0009"] == s["0011"] == "not needed"
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0 and record_exact(py) == []
 
@@ -309,7 +309,7 @@ def test_manual_sed_fix_reported_applied_by_hand(sshd, host_env, tmp_path):
     assert rc == 0, err
     assert rb["gpu1"]["reinstalled"] is True and record_exact(py) == []
     rc, ap, err = patch_cli("apply", inv)
-    assert rc == 0 and len(ap["gpu1"]["applied"]) == 10
+    assert rc == 0 and len(ap["gpu1"]["applied"]) == 11
 
 
 def test_file_edited_after_apply_refused_unless_forced(sshd, host_env, tmp_path):
@@ -511,7 +511,7 @@ def test_concurrent_apply_refused(hooks_sshd, host_env, tmp_path):
     assert f"pid {pid}" in second.message
     assert hp.run_op(inv_obj, hosts, "status")["gpu1"]["busy"] == str(pid)  # status still answers
     t.join(60)
-    assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 10
+    assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 11
 
 
 def test_link_killed_during_apply_leaves_host_fully_applied(hooks_sshd, host_env, tmp_path):
@@ -526,7 +526,7 @@ def test_link_killed_during_apply_leaves_host_fully_applied(hooks_sshd, host_env
     t.join(60)
     # the client saw the link die, reconnected and says what became of the apply
     assert isinstance(box["r"], HostFailure) and "connection lost" in box["r"].message
-    assert "the apply completed on the host before the link dropped (10 patch(es) applied)" in box["r"].message
+    assert "the apply completed on the host before the link dropped (11 patch(es) applied)" in box["r"].message
     _wait_gone(remote_pid)
     site = site_packages(py)
     for rel, want in series_targets("0.3.0").items():  # the host finished the transaction on its own
@@ -555,7 +555,7 @@ def test_process_killed_before_swap_leaves_host_untouched(hooks_sshd, host_env, 
     rc, st, err = patch_cli("status", inv)
     assert set(states(st["gpu1"]).values()) == {"pristine"} and st["gpu1"]["interrupted"] is None
     rc, ap, err = patch_cli("apply", inv)  # the next apply starts clean
-    assert rc == 0 and len(ap["gpu1"]["applied"]) == 10 and not (envdir / "tx").exists()
+    assert rc == 0 and len(ap["gpu1"]["applied"]) == 11 and not (envdir / "tx").exists()
 
 
 def test_process_killed_mid_swap_is_completed_by_next_call(hooks_sshd, host_env, tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,21 +34,21 @@ PIPELINE = {"dataset": "builtin:prompts", "samples": 12, "heldout": 4, "max_seq_
 
 @pytest.fixture(scope="session")
 def patched_speculators(tmp_path_factory) -> Path:
-    """A copy of the installed speculators 0.3.0 with the shipped series applied, in order."""
-    import importlib.util
+    """speculators 0.3.0 from its PyPI wheel (whatever state the installed copy is in) with the shipped
+    series applied in order by GNU patch, each file then at the series' after-hash."""
+    import zipfile
+
+    from harness.patches import fetch_wheel
 
     site = tmp_path_factory.mktemp("patched-site")
-    origin = Path(importlib.util.find_spec("speculators").origin).parent
-    shutil.copytree(origin, site / "speculators")
+    with zipfile.ZipFile(fetch_wheel("speculators", "0.3.0")) as zf:
+        zf.extractall(site, [n for n in zf.namelist() if n.startswith("speculators/")])
     series = yaml.safe_load((SERIES / "series.yaml").read_text())
     for entry in series["patches"]:
-        # state by content hash, as the series defines it: already applied (a host where the lead
-        # patched the installed copy) -> skip; otherwise it must apply cleanly
-        shas = {f: hashlib.sha256((site / f).read_bytes()).hexdigest() for f in entry["files"]}
-        if all(shas[f] == h["after"] for f, h in entry["files"].items()):
-            continue
         diff = (SERIES / entry["file"]).read_bytes()
-        subprocess.run(["patch", "-p0", "--batch", "--silent"], input=diff, cwd=site, check=True)
+        subprocess.run(["patch", "-p0", "--batch", "--silent", "--fuzz=0"], input=diff, cwd=site, check=True)
+        for f, h in entry["files"].items():
+            assert hashlib.sha256((site / f).read_bytes()).hexdigest() == h["after"], (entry["file"], f)
     return site
 
 

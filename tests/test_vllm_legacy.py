@@ -275,3 +275,22 @@ def test_patched_generator_hidden_states_equal_transformers_on_tiny_llama(legacy
     assert set(states(status(legacy_inv)).values()) == {"applied"}
     assert_matches_transformers(run_generator(legacy_python, legacy_models["llama"], "llama", tmp_path),
                                 "LlamaForCausalLM")
+
+
+def test_patched_generator_refuses_a_decoder_it_would_run_wrong(legacy_python, legacy_inv, legacy_models,
+                                                                tmp_path):
+    """A DeepseekV2-family text model with llama_4_scaling (Mistral Large 3 has it): vLLM's own decoder
+    forward passes it to every layer, the capture forward would not, so the hidden states would differ
+    silently. Patched (0011), the generator refuses it in one line at setup, before any prompt."""
+    import shutil
+
+    model = tmp_path / "kimi-llama4-scaling"
+    shutil.copytree(legacy_models["kimi"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["llama_4_scaling"] = {"original_max_position_embeddings": 64, "beta": 0.1}
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    apply(legacy_inv)
+    report = run_generator(legacy_python, model, "kimi", tmp_path)
+    assert report["ok"] is False and report["stage"] == "init", report
+    assert "scales its attention by llama_4_scaling, which the hidden-states capture forward does not pass on" \
+        in report["error"], report["error"]
