@@ -140,13 +140,12 @@ def along_vllm(spec, cfg, model_path, tokenizer, prompts, layers, dev):
     try:
         for start in range(0, len(sequences), cfg.batch_size):
             chunk = list(range(start, min(start + cfg.batch_size, len(sequences))))
-            results = generator.generate([sequences[i] for i in chunk])
-            for i, result in zip(chunk, results):
-                rows = {h.shape[0] for h in result["hidden_states"]}
-                if rows != {len(sequences[i])}:
-                    common.fail(STAGE, f"held-out prompt {i}: {len(sequences[i])} tokens but hidden-state rows "
-                                       f"{sorted(rows)}; inv patch.status (0008 turns prefix caching off)")
-                yield prompts[i], sequences[i], result["hidden_states"]
+            try:
+                states = vllm_engine.hidden_states(generator, [sequences[i] for i in chunk])
+            except vllm_engine.ShortStates as e:
+                common.fail(STAGE, f"held-out prompt {chunk[e.args[1]]}: {e.args[0]}")
+            for i, hidden in zip(chunk, states):
+                yield prompts[i], sequences[i], hidden
             common.progress(chunk[-1] + 1, len(sequences), "prompts")
     finally:
         vllm_engine.close(generator)

@@ -94,15 +94,12 @@ def extract_vllm(spec, cfg, dataset, todo, layers, out, model_path):
         for start in range(0, len(todo), batch_size):
             index = todo[start:start + batch_size]
             rows = [dataset[i] for i in index]
-            results = generator.generate([r["input_ids"].tolist() for r in rows])
-            for i, r, result in zip(index, rows, results):
-                n, got = len(r["input_ids"]), [h.shape[0] for h in result["hidden_states"]]
-                if len(result["input_ids"]) != n or any(rows_ != n for rows_ in got):
-                    # the seed's silent loss (prefix caching): a sample must never be saved short
-                    common.fail(STAGE, f"sample {i}: {n} tokens but the generator returned "
-                                       f"{len(result['input_ids'])} ids and {got} hidden-state rows; "
-                                       "inv patch.status (0008 turns prefix caching off)")
-                save_sample(out / f"data_{i}.pt", result["input_ids"], result["hidden_states"], r["loss_mask"])
+            try:
+                states = vllm_engine.hidden_states(generator, [r["input_ids"].tolist() for r in rows])
+            except vllm_engine.ShortStates as e:  # a sample is never saved short
+                common.fail(STAGE, f"sample {index[e.args[1]]}: {e.args[0]}")
+            for i, r, hidden in zip(index, rows, states):
+                save_sample(out / f"data_{i}.pt", r["input_ids"], hidden, r["loss_mask"])
             done += len(rows)
             common.progress(done, len(dataset), "samples")
     finally:

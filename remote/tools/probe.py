@@ -144,13 +144,13 @@ def vllm_servers():
             continue
         if not re.search(r"vllm(\s+|\.entrypoints\S*\s*)(serve|api_server)|vllm\.entrypoints|vllm serve", joined):
             continue
-        port = model = None
+        opts = {}  # --port / --model, as "--name value" or "--name=value"; the last one counts
         for i, a in enumerate(argv):
-            if a in ("--port", "--model") and i + 1 < len(argv):
-                port, model = (_int(argv[i + 1]), model) if a == "--port" else (port, argv[i + 1])
-            elif a.startswith(("--port=", "--model=")):
-                key, value = a[2:].split("=", 1)
-                port, model = (_int(value), model) if key == "port" else (port, value)
+            name, eq, value = a.partition("=")
+            if name in ("--port", "--model") and (eq or i + 1 < len(argv)):
+                opts[name] = value if eq else argv[i + 1]
+        port = _int(opts["--port"]) if "--port" in opts else None
+        model = opts.get("--model")
         if model is None and "serve" in argv:  # vllm serve MODEL
             model = next((a for a in argv[argv.index("serve") + 1:] if not a.startswith("-")), None)
         found.append({"pid": int(pid), "port": port, "model": model, "cmdline": _mask_argv(argv)[:400]})

@@ -3,7 +3,8 @@
 * ``TargetLLM``: greedy continuations through vLLM's offline ``LLM`` (tensor parallel over
   ``tensor_parallel`` GPUs): prepare's regenerated replies, evaluate's held-out continuations.
 * ``hidden_states_generator``: speculators' own ``VllmHiddenStatesGenerator`` (patched for the host's
-  vLLM by the 0.3.0 series): extract's samples, evaluate's states along each continuation.
+  vLLM by the 0.3.0 series): extract's samples, evaluate's states along each continuation, each
+  checked to hold a row per token by ``hidden_states``.
 
 Why the offline engine and not the host's running server: a GPU stage runs under the service guard,
 which has stopped the production server to free its GPUs; the stage owns the GPUs, so it loads the
@@ -30,15 +31,14 @@ class TargetLLM:
                  gpu_memory_utilization: float = 0.8, trust_remote_code: bool = False):
         from vllm import LLM
 
-        cpu = {}
-        if _eager():
-            # vLLM 0.16's CPU backend picks its AMX attention for bf16 at its default block size (128),
-            # which refuses head size 64 on AMX CPUs ("Unsupported CPU attention configuration:
-            # head_dim=64 isa=0"); 16-token blocks take the vector kernel, as speculators' generator does
-            cpu = {"block_size": 16}
+        eager = _eager()
+        # vLLM 0.16's CPU backend picks its AMX attention for bf16 at its default block size (128),
+        # which refuses head size 64 on AMX CPUs ("Unsupported CPU attention configuration:
+        # head_dim=64 isa=0"); 16-token blocks take the vector kernel, as speculators' generator does
+        cpu = {"block_size": 16} if eager else {}
         self.llm = LLM(model=model_path, tokenizer=model_path, trust_remote_code=trust_remote_code,
                        tensor_parallel_size=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enforce_eager=_eager(), seed=0, **cpu)
+                       max_model_len=max_model_len, enforce_eager=eager, seed=0, **cpu)
 
     def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         from vllm import SamplingParams
@@ -61,6 +61,23 @@ def hidden_states_generator(model_path: str, layers: list[int], *, max_model_len
     return VllmHiddenStatesGenerator(model_path=model_path, layer_ids=layers, max_model_len=max_model_len,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      tensor_parallel_size=tensor_parallel)
+
+
+class ShortStates(ValueError):
+    """The generator returned fewer ids or hidden-state rows than a sequence has tokens (the seed's
+    silent loss under prefix caching, which patch 0008 ends): never to be saved or measured."""
+
+
+def hidden_states(generator, sequences: list[list[int]]) -> list[list]:
+    """The generator's hidden states for each sequence (one ``(len, hidden)`` tensor per capture layer),
+    each checked to have exactly one row per token; ``ShortStates`` names the first that does not."""
+    results = generator.generate(sequences)
+    for i, (sequence, result) in enumerate(zip(sequences, results)):
+        rows = [h.shape[0] for h in result["hidden_states"]]
+        if len(result["input_ids"]) != len(sequence) or any(r != len(sequence) for r in rows):
+            raise ShortStates(f"{len(sequence)} tokens but the generator returned {len(result['input_ids'])} ids and "
+                              f"{rows} hidden-state rows; inv patch.status (0008 turns prefix caching off)", i)
+    return [result["hidden_states"] for result in results]
 
 
 def close(engine) -> None:
