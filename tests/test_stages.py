@@ -53,7 +53,7 @@ def patched_speculators(tmp_path_factory) -> Path:
 
 
 def stage_spec(root: Path, stage: str, model: Path, **pipeline) -> dict:
-    return {"run_id": f"{stage}-1", "stage": stage, "run_dir": str(root / "runs" / f"{stage}-1"),
+    return {"run_id": f"{stage}-1", "stage": stage, "generation": "legacy", "run_dir": str(root / "runs" / f"{stage}-1"),
             "model": {"path": str(model)}, "pipeline": {**PIPELINE, **pipeline},
             "inputs": {s: str(root / "runs" / f"{s}-1" / "artifacts") for s in STAGES[:STAGES.index(stage)]}}
 
@@ -65,7 +65,7 @@ def run_stages(site: Path, specs: list[dict], after: str = "", timeout: float = 
         "import json, sys, importlib\n"
         "specs = json.load(sys.stdin)\n"
         "for spec in specs:\n"
-        "    result = importlib.import_module('stages.' + spec['stage']).main(spec)\n"
+        "    result = importlib.import_module('stages.legacy.' + spec['stage']).main(spec)\n"
         "    open(spec['run_dir'] + '/result.json', 'w').write(json.dumps(result))\n"
     ) + after
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -143,7 +143,7 @@ def test_prepare_masks_exactly_the_assistant_replies_of_sharegpt_and_openai_file
     from datasets import load_from_disk
     from transformers import AutoTokenizer
 
-    from stages import prepare
+    from stages.legacy import prepare
 
     tok = AutoTokenizer.from_pretrained(tiny)
     sharegpt = tmp_path / "chats.jsonl"
@@ -173,7 +173,7 @@ def test_prepare_masks_exactly_the_assistant_replies_of_sharegpt_and_openai_file
     ("/nonexistent/chats.jsonl", "dataset file not found: /nonexistent/chats.jsonl"),
 ])
 def test_prepare_refuses_a_missing_dataset(tmp_path, tiny, dataset, message):
-    from stages import prepare
+    from stages.legacy import prepare
 
     with pytest.raises(SystemExit, match="^stage prepare: " + message):
         prepare.main(stage_spec(tmp_path, "prepare", tiny, dataset=dataset))
@@ -210,7 +210,7 @@ def test_a_malformed_jsonl_dataset_is_one_line_naming_the_file_and_line(tmp_path
     ("chats.jsonl", b'{"messages": []}\n{"messages": "\xff"}\n', ":2: not UTF-8 text"),
 ])
 def test_prepare_names_the_line_of_a_broken_json_dataset(tmp_path, tiny, name, text, where):
-    from stages import prepare
+    from stages.legacy import prepare
 
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -223,7 +223,8 @@ def test_prepare_names_the_line_of_a_broken_json_dataset(tmp_path, tiny, name, t
 def test_stage_settings_are_the_contract_defaults_overridden_by_the_spec():
     """common.settings: declared settings only, the spec's value where set (converted as the stage uses
     it), the contract's default where absent, null or empty; an undeclared one cannot be read."""
-    from stages import common, prepare, train
+    from stages import common
+    from stages.legacy import prepare, train
 
     cfg = common.settings({"stage": "prepare", "pipeline": {
         "samples": "12", "heldout": None, "dataset": "", "seed": 0, "lr": 5.0, "threads": 2}}, prepare.SETTINGS)
@@ -361,7 +362,7 @@ def test_extract_resumes_with_the_samples_not_yet_written(pipeline_run, patched_
 
 
 def test_extract_refuses_an_out_of_range_layer_in_one_line(pipeline_run, tiny, tmp_path):
-    from stages import extract
+    from stages.legacy import extract
 
     root, _, _, _, _ = pipeline_run
     spec = stage_spec(root, "extract", tiny, capture_layers=[2, 4, 5, 99])
@@ -374,7 +375,7 @@ def test_extract_refuses_an_out_of_range_layer_in_one_line(pipeline_run, tiny, t
 
 
 def test_extract_with_vllm_backend_says_vllm_is_missing(pipeline_run, tiny, tmp_path):
-    from stages import extract
+    from stages.legacy import extract
 
     root, _, _, _, _ = pipeline_run
     spec = stage_spec(root, "extract", tiny, backend="vllm")
@@ -432,7 +433,8 @@ COMPARE_FORWARDS = r'''
 import numpy as np
 import torch
 from speculators.models.eagle3 import Eagle3DraftModel
-from stages import common, train
+from stages import common
+from stages.legacy import train
 from stages.lib import draft
 
 torch.compiler.set_stance("force_eager")
@@ -523,7 +525,7 @@ def vllm_speculators_config(checkpoint: Path) -> dict:
 LITERAL_LOOP = r'''
 import torch
 from pathlib import Path
-from stages.evaluate import load_draft, draft_chains
+from stages.legacy.evaluate import load_draft, draft_chains
 from stages.lib.capture import HfCapture
 from transformers import AutoModelForCausalLM, AutoTokenizer
 spec = specs[-1]; arts = spec["inputs"]

@@ -1,7 +1,8 @@
 """Runs one stage of a run: ``python -m runtime.runstage <run_dir>/spec.json``, with the uploaded code as cwd.
 
 Why a separate entry point rather than ``python -m stages.<name>``: every stage then gets the same
-contract for free -- ``stages.<name>.main(spec) -> dict``, its dict saved as ``<run_dir>/result.json``
+contract for free -- ``stages.<generation>.<name>.main(spec) -> dict`` (the spec's ``generation``;
+without one, ``stages.<name>``), its dict saved as ``<run_dir>/result.json``
 (atomically, so a half-written result never exists), an uncaught exception turned into a one-line
 ``@@harness`` message plus the traceback in the log and exit code 1, and ``sys.exit(n)`` kept as n.
 The wrapper (templates/run/wrapper.sh.j2) starts this in its own process group and records the
@@ -27,7 +28,9 @@ def main(argv):
     started = time.time()
     print("@@harness stage %s starting (run %s, pid %d)" % (spec["stage"], spec["run_id"], os.getpid()), flush=True)
     try:
-        module = importlib.import_module("stages." + spec["stage"])
+        # the stages of the host's speculators line (stages/<generation>/), chosen by the harness
+        package = "stages." + spec["generation"] if spec.get("generation") else "stages"
+        module = importlib.import_module(package + "." + spec["stage"])
         result = module.main(spec)
     except KeyboardInterrupt:
         print("@@harness stage %s interrupted" % spec["stage"], flush=True)

@@ -243,6 +243,40 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+#: bumped when the conversion's output changes, so a directory converted before is not reused
+GGUF_CONVERSION = "v2"
+
+
+def _tokenizer_as_saved(directory: Path) -> None:
+    """Name the saved tokenizer ``PreTrainedTokenizerFast``: its tokenizer.json as written, and nothing else.
+
+    transformers' GGUF reader records ``LlamaTokenizer`` for a llama-architecture GGUF whatever its
+    tokenizer. For SmolLM2's byte-level BPE, transformers 5 (and so vLLM 0.32) then rebuilds a
+    SentencePiece-style pre-tokenizer and drops the spaces ("Hello world, the answer is" ->
+    "Helloworld,theansweris": [1, 56, 3164, 1886, 28, 1195, 11247, 271] instead of 4.57's
+    [1, 19556, 905, 28, 260, 2988, 314]), and a server built on it answers chat requests with gibberish.
+    The generic class loads tokenizer.json unchanged under transformers 4 and 5 alike."""
+    path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _as_plain_model(model) -> None:
+    """transformers 5 keeps a GGUF-loaded model tagged as GGUF-quantized (its ``hf_quantizer``), and
+    refuses to save it, even when every weight was dequantized (no GGUF kernel for this device). Such a
+    model is a plain one: drop the tag. Weights still in GGUF blocks would be a mistake to save: refuse."""
+    if getattr(model, "hf_quantizer", None) is None:
+        return
+    packed = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if packed:
+        raise SystemExit(f"model: the GGUF's weights stayed quantized ({packed[0]}, ...) and cannot be saved as a "
+                         "model directory; convert it without GGUF kernels installed, or give model.path a directory")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
 def model_dir(spec: dict) -> str:
     """A path or hub id that ``from_pretrained`` loads for the target.
 
@@ -257,7 +291,7 @@ def model_dir(spec: dict) -> str:
         path = Path(model["path"]).expanduser()
         return str(path) if path.exists() else model["path"]
     gguf = _gguf_path(model)
-    target = workdir(spec) / "models" / f"{gguf.stem}-{_sha256(gguf)[:12]}"
+    target = workdir(spec) / "models" / f"{gguf.stem}-{_sha256(gguf)[:12]}-{GGUF_CONVERSION}"
     if (target / "config.json").is_file():
         return str(target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -277,6 +311,8 @@ def model_dir(spec: dict) -> str:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(tmp)
+        _tokenizer_as_saved(tmp)
+        _as_plain_model(model)
         model.save_pretrained(tmp)
         os.replace(tmp, target)
     finally:

@@ -26,6 +26,7 @@ Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, step
 import json
 
 from stages import common
+from stages.lib.acceptance import summary, walk
 from stages.lib.batching import right_padded
 from stages.lib.capture import HfCapture
 from stages.lib.generation import generate
@@ -87,20 +88,6 @@ def draft_chains(draft, states, input_ids, k: int):
         )
     chains = torch.stack([t[0] + draft.d2t[t[0]] for t in tokens], dim=-1)  # draft -> target ids
     return chains.tolist()  # chains[j][s]: proposal for x_{j+2+s}
-
-
-def walk(sequence: list[int], chains: list[list[int]], prompt_len: int, k: int) -> list[int]:
-    """Accepted counts of each step of greedy chain verification along the target's continuation."""
-    accepted, t, last = [], prompt_len, len(sequence) - 1
-    while t < last:  # x_t is the newest verified token; the draft proposes from position t-1
-        a = 0
-        # accepted drafts are x_{t+1}..x_{t+a}; the target's own token x_{t+a+1} must still be in the
-        # continuation (a draft EOS, or one past max_new_tokens, would end generation instead)
-        while a < k and t + a + 2 <= last and chains[t - 1][a] == sequence[t + 1 + a]:
-            a += 1
-        accepted.append(a)
-        t += a + 1
-    return accepted
 
 
 def along_hf(spec, cfg, model_path, tokenizer, prompts, layers, dev):
@@ -200,15 +187,7 @@ def main(spec: dict) -> dict:
         accepted += walk(sequence, chains, len(prompt), k)
         generated += len(sequence) - len(prompt)
 
-    steps = len(accepted)
-    reached = [sum(1 for a in accepted if a >= s) for s in range(k + 1)]
-    metrics = {
-        "acceptance_length": round(sum(a + 1 for a in accepted) / steps, 4) if steps else 1.0,
-        "k": k, "prompts": len(prompts), "generated_tokens": generated, "steps": steps,
-        # of the steps whose chain reached draft token s, the fraction that accepted it
-        "acceptance_rate_per_position": [round(reached[s + 1] / reached[s], 4) if reached[s] else 0.0
-                                         for s in range(k)],
-    }
+    metrics = {**summary(accepted, k), "prompts": len(prompts), "generated_tokens": generated}
     metrics["measured_with"] = "vllm" if cfg.backend == "vllm" else "transformers"
     if cfg.vllm_spec_decode:
         common.require_vllm(STAGE)

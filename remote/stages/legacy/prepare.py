@@ -19,9 +19,9 @@ text trained on, regenerated where asked), ``heldout.jsonl`` (prompts for evalua
 """
 import json
 import random
-from pathlib import Path
 
 from stages import common
+from stages.lib.conversations import load_conversations
 from stages.lib.generation import generate
 
 STAGE = "prepare"
@@ -41,81 +41,6 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "tensor_parallel": 1,          # vllm: GPUs the target is split over
     "gpu_memory_utilization": 0.8,  # vllm: the fraction of each GPU's memory it may take
 }
-
-
-def check_json(path: Path):
-    """Stop at the first line of a JSON dataset file that does not parse, in one line naming the file
-    and the line (datasets' loader names neither, in three chained tracebacks). JSON lines (a .jsonl,
-    or a .json whose first line is an object) are read line by line, any other .json as one document."""
-    def bad(line: int, problem: str):
-        common.fail(STAGE, f"dataset {path}:{line}: {problem}; fix that line or pipeline.dataset")
-
-    with open(path, "rb") as f:
-        first = next((line for line in f if line.strip()), b"")
-        if path.suffix == ".json" and not isinstance(_parsed(first), dict):  # one JSON document
-            f.seek(0)
-            raw = f.read()
-            try:
-                json.loads(raw)
-            except UnicodeDecodeError as e:
-                bad(raw[:e.start].count(b"\n") + 1, "not UTF-8 text")
-            except json.JSONDecodeError as e:
-                bad(e.lineno, f"not valid JSON ({e.msg}, column {e.colno})")
-            return
-        f.seek(0)
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip(b"\r\n"))  # a column past the end, not on the next line
-            except UnicodeDecodeError:
-                bad(number, "not UTF-8 text")
-            except json.JSONDecodeError as e:
-                bad(number, f"not valid JSON ({e.msg}, column {e.colno})")
-            if not isinstance(row, dict):
-                bad(number, f"a JSON {type(row).__name__}, not an object (one conversation per line)")
-
-
-def _parsed(line: bytes):
-    try:
-        return json.loads(line)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
-        return None
-
-
-def load_conversations(cfg: common.Settings) -> list[list[dict]]:
-    """The dataset's rows as role/content turn lists (speculators' normalisation of ShareGPT/OpenAI)."""
-    from datasets import load_dataset
-
-    _normalize_conversation = common.data_generation("preprocessing")._normalize_conversation
-
-    name = cfg.dataset
-    if name.startswith("builtin:"):
-        path = common.BUILTIN_DATA / (name.split(":", 1)[1] + ".jsonl")
-        if not path.is_file():
-            shipped = ", ".join("builtin:" + p.stem for p in sorted(common.BUILTIN_DATA.glob("*.jsonl")))
-            common.fail(STAGE, f"no built-in dataset {name!r} (shipped: {shipped}); fix pipeline.dataset")
-        check_json(path)
-        rows = load_dataset("json", data_files=str(path), split="train")
-    elif name.endswith((".jsonl", ".json", ".parquet")) or Path(name).expanduser().exists():
-        path = Path(name).expanduser()
-        if not path.is_file():
-            common.fail(STAGE, f"dataset file not found: {path}; fix pipeline.dataset")
-        kind = "parquet" if path.suffix == ".parquet" else "json"
-        if kind == "json":
-            check_json(path)
-        rows = load_dataset(kind, data_files=str(path), split="train")
-    else:
-        try:
-            rows = load_dataset(name, split=cfg.dataset_split)
-        except Exception as e:  # the hub's messages are long; keep the first line
-            common.fail(STAGE, f"cannot load hub dataset {name!r}: {str(e).splitlines()[0]}; fix pipeline.dataset")
-
-    column = next((c for c in ("conversations", "messages") if c in rows.column_names), None)
-    if column is None:
-        common.fail(STAGE, f"dataset {name!r} has neither a 'conversations' (ShareGPT) nor a 'messages' "
-                           f"(OpenAI) column (it has {rows.column_names}); fix pipeline.dataset")
-    return [_normalize_conversation(conv) for conv in rows[column] if conv]
 
 
 def regenerate(conversations: list[list[dict]], complete, tokenizer, cfg: common.Settings) -> list[list[dict]]:
@@ -163,7 +88,7 @@ def main(spec: dict) -> dict:
     out = common.artifacts(spec)
     samples, heldout = cfg.samples, cfg.heldout
 
-    conversations = load_conversations(cfg)
+    conversations = load_conversations(cfg.dataset, cfg.dataset_split, STAGE)
     random.Random(cfg.seed).shuffle(conversations)
     if len(conversations) < samples + heldout:
         common.fail(STAGE, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "

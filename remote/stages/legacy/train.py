@@ -44,6 +44,7 @@ import types
 
 from stages import common
 from stages.lib.draft import loss_positions_forward
+from stages.lib.trainlog import MetricsTap, plot
 
 STAGE = "train"
 READS = ("extract", "vocab")  # the stages whose artifacts this one reads: extract's data/, vocab's d2t/t2d
@@ -63,32 +64,6 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "gpus": 1,                     # GPUs for training: > 1 relaunches the stage under torchrun
     "compile": None,               # torch.compile the draft; unset: only on CUDA
 }
-
-
-class MetricsTap(logging.Handler):
-    """Collects the dicts speculators' Trainer logs on ``speculators.metrics`` and prints progress."""
-
-    def __init__(self, total_steps: int):
-        super().__init__()
-        self.train, self.val, self.total = [], [], total_steps
-
-    def emit(self, record):
-        entry = record.msg
-        if not isinstance(entry, dict):
-            return
-        if "train" in entry:
-            self.train.append({"step": getattr(record, "step", len(self.train)), "epoch": entry["epoch"],
-                               "lr": entry["lr"], **entry["train"]})
-            done = len(self.train)
-            self.total = max(self.total, done)  # the packing, hence the batch count, varies by epoch
-            common.progress(done, self.total, "steps")
-            if done % 20 == 0 or done == self.total:
-                common.log(f"step {done}/{self.total} loss {entry['train']['loss']:.4f} "
-                           f"acc0 {entry['train'].get('full_acc_0', 0):.3f}")
-        elif "val" in entry:
-            self.val.append({"epoch": entry["epoch"], **entry["val"]})
-            common.log(f"epoch {entry['epoch']} validation " + json.dumps(
-                {k: round(v, 4) for k, v in entry["val"].items()}))
 
 
 def draft_config(verifier_path: str, spec: dict, cfg: common.Settings, draft_vocab: int, aux_layers: list[int]):
@@ -148,34 +123,13 @@ def loader(files, cfg: common.Settings, rank, world, train: bool):
                       pin_memory=workers > 0, persistent_workers=workers > 0)
 
 
-def plot(tap: MetricsTap, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([m["step"] for m in tap.train], [m["loss"] for m in tap.train], label="train loss")
-    if tap.val:
-        per_epoch = max(1, len(tap.train) // max(1, len(tap.val)))
-        ax.plot([(i + 1) * per_epoch for i in range(len(tap.val))], [m["loss_epoch"] for m in tap.val],
-                "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (sum over TTT steps)")
-    ax.set_title("EAGLE-3 draft training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def relaunch_with_torchrun(spec: dict, gpus: int) -> dict:
     """Several GPUs: run this stage once per GPU under torchrun; rank 0 writes the result."""
     spec_path = os.path.join(spec["run_dir"], "train-spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "stages.train", spec_path]
+           "-m", "stages.legacy.train", spec_path]
     common.log("launching: " + " ".join(cmd))
     subprocess.run(cmd, check=True)
     return json.loads((common.artifacts(spec) / "result.json").read_text())

@@ -1,0 +1,120 @@
+"""Stage extract (speculators 0.5+): the target's hidden states through vLLM's extract_hidden_states.
+
+Reads prepare's ``dataset/``. Starts a vLLM server for the target on the host with the speculative and
+KV-transfer configs speculators documents for offline data (method ``extract_hidden_states``, the
+``ExampleHiddenStatesConnector`` writing safetensors files; stages/lib/vllm_server.py), and runs
+``speculators generate-offline-data`` against it: one ``max_tokens=1`` completion per sample, its
+hidden states moved to ``hidden_states/hs_{i}.safetensors`` = ``{"hidden_states": (seq, L, hidden)
+bf16, "token_ids": (seq,)}``, checked by speculators (``--validate-outputs``: token ids equal the
+sample's, rows equal tokens, finite values).
+
+Layers, in vLLM's convention (id i: the input of decoder layer i, i.e. the output of layer i-1; id n:
+the last layer's output): ``pipeline.target_layer_ids`` (default speculators' [2, n//2, n-3]) feed the
+draft, and n is always captured after them for the training targets. The checkpoint lists the same
+``target_layer_ids``, so a vLLM server gives the draft exactly the layers it was trained on.
+
+Resumable: speculators skips the files already written and regenerates the ones that do not open;
+the stage then checks every sample's file (its header: rows equal tokens) before it succeeds, and a
+sample left without one stops the stage naming it.
+"""
+from stages import common
+from stages.lib.vllm_server import VllmServer, extract_configs, speculators_cli
+
+STAGE = "extract"
+READS = ("prepare",)         # the stages whose artifacts this one reads: prepare's dataset/
+GPU = True                   # runs the target
+SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "target_layer_ids": None,      # vLLM layer ids fed to the draft; unset: speculators' [2, n//2, n-3]
+    "max_seq_len": 512,            # the longest sample (the server's max_model_len is this + 1)
+    "concurrency": 64,             # requests in flight to the target's vLLM server
+    "tensor_parallel": 1,          # GPUs the target is split over
+    "gpu_memory_utilization": 0.8,  # the fraction of each GPU's memory vLLM may take
+}
+
+
+def target_layer_ids(layer_ids, num_layers: int) -> list[int]:
+    """The draft's layers (vLLM ids), checked: distinct, ascending, within 0..num_layers-1."""
+    layer_ids = list(layer_ids or [2, num_layers // 2, num_layers - 3])
+    if (len(layer_ids) != 3 or sorted(set(layer_ids)) != layer_ids
+            or not all(0 <= i < num_layers for i in layer_ids)):
+        common.fail(STAGE, f"pipeline.target_layer_ids {layer_ids}: EAGLE-3 takes 3 distinct ascending layer ids "
+                           f"within 0..{num_layers - 1} (the model has {num_layers} layers); fix pipeline.target_layer_ids")
+    return layer_ids
+
+
+def rows_of(path) -> int | None:
+    """The number of hidden-state rows in an ``hs_i.safetensors`` (its header only), None if unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.get_slice("hidden_states").get_shape()[0]
+    except Exception:  # a truncated or foreign file: safetensors' header checks say so
+        return None
+
+
+def main(spec: dict) -> dict:
+    from datasets import load_from_disk
+    from transformers import AutoConfig
+
+    cfg = common.settings(spec, SETTINGS)
+    timer = common.Timer()
+    out = common.artifacts(spec)
+    hidden = out / "hidden_states"
+    dataset_dir = common.input_dir(spec, "prepare") / "dataset"
+    dataset = load_from_disk(str(dataset_dir))
+
+    model_path = common.model_dir(spec)
+    config = common.text_config(AutoConfig.from_pretrained(model_path, **common.hub_kwargs(spec)))
+    n = config.num_hidden_layers
+    layers = target_layer_ids(cfg.target_layer_ids, n)
+    captured = [*layers, n]  # the last one: the verifier's last hidden state, the training targets
+
+    before = len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0
+    if before:
+        common.log(f"resuming: {before} of {len(dataset)} samples have a file already")
+    staging = out / ".staging"  # where vLLM writes: the same file system, so speculators' move is a rename
+    with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
+                    tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    trust_remote_code=bool(spec["model"].get("trust_remote_code")),
+                    extra_args=extract_configs(captured, staging)) as server:
+        def files_written():
+            common.progress(len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0, len(dataset),
+                            "samples")
+
+        speculators_cli(STAGE, ["generate-offline-data", "--model", server.name, "--endpoint", f"{server.url}/v1",
+                                "--preprocessed-data", str(dataset_dir), "--output", str(hidden),
+                                "--concurrency", str(cfg.concurrency), "--validate-outputs", "--fail-on-error"],
+                        progress=files_written)
+
+    tokens = 0
+    for i, row in enumerate(dataset):  # never a sample short or missing
+        want, got = len(row["input_ids"]), rows_of(hidden / f"hs_{i}.safetensors")
+        if got != want:
+            common.fail(STAGE, f"sample {i}: hs_{i}.safetensors has {'no readable file' if got is None else f'{got} rows'} "
+                               f"for {want} tokens; run the stage again (it regenerates what is missing)")
+        tokens += want
+
+    meta = {
+        "target_layer_ids": layers,
+        "captured_layer_ids": captured,
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "num_hidden_layers": n,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "samples": len(dataset),
+        "tokens": tokens,
+        "backend": "vllm",
+        "dtype": "bfloat16",
+        "format": "speculators 0.5+ hidden states (hidden_states/hs_{i}.safetensors)",
+    }
+    common.write_json(out / "extract.json", meta)
+    hidden_bytes = tokens * len(captured) * config.hidden_size * 2
+    return {"samples": len(dataset), "tokens": tokens, "extracted": len(dataset) - before, "layers": captured,
+            "hidden_state_bytes": hidden_bytes, "backend": "vllm", "seconds": timer(),
+            # the hidden states stay on the host unless a pull asks for them (inv pull --all)
+            "intermediates": ["hidden_states/hs_*.safetensors", ".staging/*"]}
+
+
+if __name__ == "__main__":
+    common.cli(main)

@@ -1,0 +1,57 @@
+"""What a train stage keeps of speculators' training: the metrics its Trainer logs, and the loss plot.
+
+speculators' ``Trainer`` (0.3 and 0.9 alike) logs one dict per step (``{"train": {...}, "epoch", "lr"}``)
+and per validation pass (``{"val": {...}, "epoch"}``) on the ``speculators.metrics`` logger; a
+``MetricsTap`` on that logger turns them into progress lines, metrics.json and loss.png.
+"""
+import json
+import logging
+
+from stages import common
+
+
+class MetricsTap(logging.Handler):
+    """Collects the dicts speculators' Trainer logs on ``speculators.metrics`` and prints progress."""
+
+    def __init__(self, total_steps: int):
+        super().__init__()
+        self.train, self.val, self.total = [], [], total_steps
+
+    def emit(self, record):
+        entry = record.msg
+        if not isinstance(entry, dict):
+            return
+        if "train" in entry:
+            self.train.append({"step": getattr(record, "step", len(self.train)), "epoch": entry["epoch"],
+                               "lr": entry["lr"], **entry["train"]})
+            done = len(self.train)
+            self.total = max(self.total, done)  # the packing, hence the batch count, varies by epoch
+            common.progress(done, self.total, "steps")
+            if done % 20 == 0 or done == self.total:
+                common.log(f"step {done}/{self.total} loss {entry['train']['loss']:.4f} "
+                           f"acc0 {entry['train'].get('full_acc_0', 0):.3f}")
+        elif "val" in entry:
+            self.val.append({"epoch": entry["epoch"], **entry["val"]})
+            common.log(f"epoch {entry['epoch']} validation " + json.dumps(
+                {k: round(v, 4) for k, v in entry["val"].items()}))
+
+
+def plot(tap: MetricsTap, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in tap.train], [m["loss"] for m in tap.train], label="train loss")
+    if tap.val:
+        per_epoch = max(1, len(tap.train) // max(1, len(tap.val)))
+        ax.plot([(i + 1) * per_epoch for i in range(len(tap.val))], [m["loss_epoch"] for m in tap.val],
+                "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (sum over TTT steps)")
+    ax.set_title("EAGLE-3 draft training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
