@@ -152,6 +152,8 @@ class PipelineSpec(_Strict):
     capture_layers: list[int] | None = _default("capture_layers")
     #: current: 3 vLLM layer ids (id i = the input of layer i) fed to the draft; unset: [2, n//2, n-3]
     target_layer_ids: list[int] | None = _default("target_layer_ids")
+    #: current: train reads the hidden states from a live vLLM extract server; extract stores none
+    online: bool = _default("online")
     #: current: requests in flight to the target's vLLM server (regeneration, extraction, evaluation)
     concurrency: int = _default("concurrency", ge=1)
     draft_vocab_size: int = _default("draft_vocab_size", ge=1)

