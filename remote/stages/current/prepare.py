@@ -21,10 +21,9 @@ Outputs: ``dataset/`` (speculators' prepared dataset + token_freq.pt), ``regener
 boundary rows, when regenerated), ``heldout.jsonl`` (prompts for evaluate), ``server.log``.
 """
 import json
-import random
 
 from stages import common
-from stages.lib.conversations import load_conversations
+from stages.lib import conversations
 from stages.lib.vllm_server import VllmServer, speculators_cli
 
 STAGE = "prepare"
@@ -51,23 +50,12 @@ def main(spec: dict) -> dict:
     cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
     out = common.artifacts(spec)
-    samples, heldout = cfg.samples, cfg.heldout
 
-    conversations = load_conversations(cfg.dataset, cfg.dataset_split, STAGE)
-    random.Random(cfg.seed).shuffle(conversations)
-    if len(conversations) < samples + heldout:
-        common.fail(STAGE, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "
-                           f"({samples}) + pipeline.heldout ({heldout}); lower them or use a bigger dataset")
-    train, held = conversations[:samples], conversations[samples:samples + heldout]
-    with open(out / "heldout.jsonl", "w") as f:
-        for conv in held:  # the prompt: everything up to the first user turn
-            first_user = next((i for i, t in enumerate(conv) if t["role"] == "user"), None)
-            if first_user is not None:
-                f.write(json.dumps({"messages": conv[:first_user + 1]}) + "\n")
+    train, held = conversations.split(conversations.load_conversations(cfg.dataset, cfg.dataset_split, STAGE),
+                                      cfg.samples, cfg.heldout, cfg.seed, STAGE)
+    conversations.write_heldout(out / "heldout.jsonl", held)
     source = out / "conversations.in.jsonl"
-    with open(source, "w") as f:
-        for conv in train:
-            f.write(json.dumps({"messages": conv}) + "\n")
+    conversations.write_messages(source, train)
 
     model_path = common.model_dir(spec)
     trust = bool(spec["model"].get("trust_remote_code"))

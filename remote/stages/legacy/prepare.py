@@ -18,10 +18,9 @@ Outputs: ``dataset/`` (datasets.save_to_disk: input_ids, loss_mask), ``conversat
 text trained on, regenerated where asked), ``heldout.jsonl`` (prompts for evaluate).
 """
 import json
-import random
 
 from stages import common
-from stages.lib.conversations import load_conversations
+from stages.lib import conversations
 from stages.lib.generation import generate
 
 STAGE = "prepare"
@@ -86,14 +85,9 @@ def main(spec: dict) -> dict:
     cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
     out = common.artifacts(spec)
-    samples, heldout = cfg.samples, cfg.heldout
 
-    conversations = load_conversations(cfg.dataset, cfg.dataset_split, STAGE)
-    random.Random(cfg.seed).shuffle(conversations)
-    if len(conversations) < samples + heldout:
-        common.fail(STAGE, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "
-                           f"({samples}) + pipeline.heldout ({heldout}); lower them or use a bigger dataset")
-    train, held = conversations[:samples], conversations[samples:samples + heldout]
+    train, held = conversations.split(conversations.load_conversations(cfg.dataset, cfg.dataset_split, STAGE),
+                                      cfg.samples, cfg.heldout, cfg.seed, STAGE)
 
     path = common.model_dir(spec)
     tokenizer = common.load_tokenizer(spec, path)
@@ -140,14 +134,8 @@ def main(spec: dict) -> dict:
                            "raise pipeline.max_seq_len or check the model's chat template")
     dataset.save_to_disk(str(out / "dataset"))
 
-    with open(out / "conversations.jsonl", "w") as f:
-        for conv in train:
-            f.write(json.dumps({"messages": conv}) + "\n")
-    with open(out / "heldout.jsonl", "w") as f:
-        for conv in held:  # the prompt: everything up to the first user turn
-            first_user = next((i for i, t in enumerate(conv) if t["role"] == "user"), None)
-            if first_user is not None:
-                f.write(json.dumps({"messages": conv[:first_user + 1]}) + "\n")
+    conversations.write_messages(out / "conversations.jsonl", train)
+    conversations.write_heldout(out / "heldout.jsonl", held)
 
     tokens = sum(len(x) for x in dataset["input_ids"])
     trained = sum(int(m.sum()) for m in dataset["loss_mask"])

@@ -1,14 +1,13 @@
 """Stage vocab: the draft's vocabulary, the ``pipeline.draft_vocab_size`` most frequent target tokens.
 
-speculators' ``build_vocab_mappings_from_distribution`` over extract's ``token_freq.pt`` (assistant
-tokens only) gives ``d2t`` (draft index -> offset to the target id) and ``t2d`` (target id -> is in the
-draft vocabulary), saved as ``d2t.npy`` / ``t2d.npy`` for speculators' trainer. When the data holds
-fewer distinct tokens than the draft vocabulary, speculators pads it with the lowest token ids: that
-is allowed but wasted lm_head rows, so it is reported as a warning.
+Counts from extract's ``token_freq.pt`` (assistant tokens only), the target's vocabulary size from
+extract.json; the mappings are speculators' own (stages/lib/vocabulary.py): ``d2t.npy`` / ``t2d.npy``
+for speculators' trainer.
 """
 import json
 
 from stages import common
+from stages.lib import vocabulary
 
 STAGE = "vocab"
 READS = ("extract",)         # the stages whose artifacts this one reads: extract's token_freq.pt, extract.json
@@ -19,9 +18,7 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
 
 
 def main(spec: dict) -> dict:
-    import numpy as np
     import torch
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     cfg = common.settings(spec, SETTINGS)
     timer = common.Timer()
@@ -31,24 +28,8 @@ def main(spec: dict) -> dict:
     freq = torch.load(extracted / "token_freq.pt", weights_only=True)
 
     target_vocab = int(meta["vocab_size"])
-    draft_vocab = cfg.draft_vocab_size
-    if draft_vocab > target_vocab:
-        common.fail(STAGE, f"pipeline.draft_vocab_size {draft_vocab} exceeds the target's vocabulary "
-                           f"({target_vocab}); lower pipeline.draft_vocab_size")
-    if len(freq) < draft_vocab:
-        common.log(f"warning: the data has {len(freq)} distinct assistant tokens, fewer than "
-                   f"pipeline.draft_vocab_size {draft_vocab}; the other {draft_vocab - len(freq)} draft "
-                   "tokens are padding (lower draft_vocab_size or add samples)")
-
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, target_vocab)
-    np.save(out / "d2t.npy", d2t.numpy())
-    np.save(out / "t2d.npy", t2d.numpy())
-
-    total = sum(freq.values())
-    covered = sum(count for token, count in freq.items() if t2d[token])
-    common.progress(1, 1, "mappings")
-    return {"draft_vocab_size": draft_vocab, "target_vocab_size": target_vocab, "distinct_tokens": len(freq),
-            "coverage": round(covered / total, 4) if total else 0.0, "seconds": timer()}
+    summary = vocabulary.write_mappings(freq, cfg.draft_vocab_size, target_vocab, out, STAGE)
+    return {**summary, "seconds": timer()}
 
 
 if __name__ == "__main__":

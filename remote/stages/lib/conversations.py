@@ -85,3 +85,32 @@ def load_conversations(name: str, split: str, stage: str) -> list[list[dict]]:
         common.fail(stage, f"dataset {name!r} has neither a 'conversations' (ShareGPT) nor a 'messages' "
                            f"(OpenAI) column (it has {rows.column_names}); fix pipeline.dataset")
     return [_normalize_conversation(conv) for conv in rows[column] if conv]
+
+
+def split(conversations: list[list[dict]], samples: int, heldout: int, seed: int, stage: str):
+    """(training conversations, held-out ones): shuffled with ``seed``, the first ``samples`` for
+    training and the next ``heldout`` for evaluate only (never trained on)."""
+    import random
+
+    random.Random(seed).shuffle(conversations)
+    if len(conversations) < samples + heldout:
+        common.fail(stage, f"dataset has {len(conversations)} conversations, fewer than pipeline.samples "
+                           f"({samples}) + pipeline.heldout ({heldout}); lower them or use a bigger dataset")
+    return conversations[:samples], conversations[samples:samples + heldout]
+
+
+def write_messages(path: Path, conversations: list[list[dict]]) -> None:
+    """One ``{"messages": [...]}`` per line (the OpenAI form speculators' CLIs read)."""
+    with open(path, "w") as f:
+        for conv in conversations:
+            f.write(json.dumps({"messages": conv}) + "\n")
+
+
+def write_heldout(path: Path, held: list[list[dict]]) -> None:
+    """evaluate's prompts: each held-out conversation up to and including its first user turn."""
+    prompts = []
+    for conv in held:
+        first_user = next((i for i, t in enumerate(conv) if t["role"] == "user"), None)
+        if first_user is not None:
+            prompts.append(conv[:first_user + 1])
+    write_messages(path, prompts)
