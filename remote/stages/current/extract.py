@@ -86,9 +86,10 @@ def main(spec: dict) -> dict:
         return {"samples": len(dataset), "tokens": tokens, "extracted": 0, "layers": captured, "online": True,
                 "hidden_state_bytes": 0, "backend": "vllm", "seconds": timer()}
 
-    before = len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0
+    # what a rerun finds: speculators skips the readable files and regenerates the rest
+    before = sum(rows_of(p) is not None for p in hidden.glob("hs_*.safetensors")) if hidden.is_dir() else 0
     if before:
-        common.log(f"resuming: {before} of {len(dataset)} samples have a file already")
+        common.log(f"resuming: {before} of {len(dataset)} samples have a readable file already")
     staging = out / ".staging"  # where vLLM writes: the same file system, so speculators' move is a rename
     with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
                     tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -141,7 +141,8 @@ def speculators_cli(stage: str, args: list[str], *, env: dict | None = None, pro
     A failure stops the stage in one line naming the command; its traceback is in the log above."""
     cmd = [sys.executable, "-c", "from speculators.__main__ import app; app()", *args]
     common.log("running: speculators " + " ".join(args))
-    proc = subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
+    # COLUMNS: rich, speculators' log console, wraps at 80 columns when not on a terminal
+    proc = subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "240", **(env or {})})
     while proc.poll() is None:
         if progress:
             progress()
