@@ -177,6 +177,8 @@ class PipelineSpec(_Strict):
     lr: float = _default("lr", gt=0)
     #: current: speculators' optimizer
     optimizer: Literal["adamw", "muon"] = _default("optimizer")
+    #: current: speculators' learning-rate schedule
+    scheduler: Literal["linear", "cosine", "none"] = _default("scheduler")
     #: current: the draft's attention in training (auto: sdpa on CPU, simple_flex_attention on GPUs)
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
     ttt_steps: int = _default("ttt_steps", ge=1)

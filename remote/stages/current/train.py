@@ -4,10 +4,12 @@ Reads prepare's ``dataset/`` (the Arrow rows), extract's ``hidden_states/`` and 
 layer ids) and vocab's ``d2t.npy`` / ``t2d.npy``, and gives them to speculators' own training command,
 read by speculators' own config resolver (``TrainConfig.resolve``), so every flag is the documented one:
 ``--speculator-type eagle3``, ``--data-path`` the dataset, ``--hidden-states-path`` the extracted files,
-``--target-layer-ids`` as extracted, ``pipeline.draft_layers`` decoder layers, ``pipeline.ttt_steps``
+``--target-layer-ids`` as extracted, ``pipeline.draft_layers`` decoder layers (with
+``pipeline.draft_intermediate_size`` a narrower MLP: the decoder config speculators would build, narrowed,
+given as ``--draft-config``), ``pipeline.ttt_steps``
 test-time-training steps (speculators 0.9 feeds steps > 0 the verified token, and the checkpoint
 proposes that many tokens), ``pipeline.train_seq_len`` tokens per packed batch, ``pipeline.epochs``,
-``pipeline.lr`` with ``pipeline.optimizer``, and ``1 - pipeline.val_fraction`` of the samples for
+``pipeline.lr`` with ``pipeline.optimizer`` and ``pipeline.scheduler``, and ``1 - pipeline.val_fraction`` of the samples for
 training (the rest for its validation pass).
 
 Devices: one process on the CPU or a GPU, in this process (its metrics logged on ``speculators.metrics``
@@ -43,8 +45,10 @@ READS = ("prepare", "extract", "vocab")  # prepare's dataset/, extract's hidden_
 GPU = True                   # trains on the GPUs (torchrun over pipeline.gpus)
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
     "draft_layers": 1,             # decoder layers of the draft
+    "draft_intermediate_size": None,  # the draft's MLP width; unset: the target's
     "epochs": 1,                   # passes over the training samples
-    "lr": 1e-4,                    # the learning rate (linear schedule)
+    "lr": 1e-4,                    # the learning rate (after pipeline.scheduler's warm-up)
+    "scheduler": "linear",         # the learning-rate schedule: linear, cosine or none (speculators' three)
     "optimizer": "adamw",          # adamw or muon (speculators' two)
     "train_seq_len": 2048,         # tokens per packed batch
     "val_fraction": 0.1,           # samples held out for the trainer's validation pass
@@ -60,7 +64,26 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
 }
 
 
-def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, hidden_states: str) -> list[str]:
+def draft_config(spec: dict, cfg: common.Settings, path) -> None:
+    """The draft decoder's config as speculators builds it from the verifier (its own
+    ``create_transformer_layer_config``, what ``--num-layers`` alone gives), with the MLP narrowed to
+    ``pipeline.draft_intermediate_size``; written to ``path`` for ``--draft-config``."""
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.config import TrainConfig
+
+    defaults = TrainConfig.resolve(["--speculator-type", "eagle3", "--verifier-name-or-path", common.model_dir(spec),
+                                    "--data-path", "-"]).draft
+    config = create_transformer_layer_config(
+        verifier_name_or_path=common.model_dir(spec), num_layers=cfg.draft_layers, draft_arch=defaults.draft_arch or "llama",
+        hidden_act=defaults.draft_hidden_act or None, sliding_window=defaults.sliding_window,
+        full_attention_indices=defaults.full_attention_indices, mrope_full_head_hack=defaults.draft_mrope_full_head_hack,
+        trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+    config.intermediate_size = int(cfg.draft_intermediate_size)
+    path.write_text(config.to_json_string())
+
+
+def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, hidden_states: str,
+               draft_config_path: str | None = None) -> list[str]:
     """speculators' own training flags for this run."""
     extracted, vocab = common.input_dir(spec, "extract"), common.input_dir(spec, "vocab")
     prepared = common.input_dir(spec, "prepare")
@@ -77,11 +100,12 @@ def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, h
         "--target-layer-ids", *[str(i) for i in meta["target_layer_ids"]],
         "--draft-vocab-size", str(draft_vocab),
         "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
-        "--num-layers", str(cfg.draft_layers),
+        *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
         "--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay),
         "--total-seq-len", str(cfg.train_seq_len),
         "--train-data-ratio", str(1.0 - cfg.val_fraction),
         "--epochs", str(cfg.epochs), "--lr", str(cfg.lr), "--optimizer", cfg.optimizer,
+        "--scheduler-type", cfg.scheduler,
         "--seed", str(cfg.seed),
         "--draft-attn-impl", attn,
         "--save-path", save_path,
@@ -136,7 +160,11 @@ def main(spec: dict) -> dict:
         hidden_states.mkdir()
     else:
         hidden_states = extracted / "hidden_states"
-    args = train_args(spec, cfg, save_path, on_gpu, str(hidden_states))
+    config_path = None
+    if cfg.draft_intermediate_size:
+        config_path = out / "draft_config.json"
+        draft_config(spec, cfg, config_path)
+    args = train_args(spec, cfg, save_path, on_gpu, str(hidden_states), config_path and str(config_path))
     with contextlib.ExitStack() as stack:
         if cfg.online:
             from stages.lib.vllm_server import VllmServer, extract_configs
@@ -171,7 +199,8 @@ def main(spec: dict) -> dict:
     val = tap.val[-1] if tap.val else {}
     common.write_json(out / "metrics.json", {"train": tap.train, "val": tap.val, "config": {
         "epochs": cfg.epochs, "ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
-        "lr": cfg.lr, "optimizer": cfg.optimizer, "online": cfg.online, "args": args}})
+        "lr": cfg.lr, "optimizer": cfg.optimizer, "scheduler": cfg.scheduler,
+        "draft_intermediate_size": cfg.draft_intermediate_size, "online": cfg.online, "args": args}})
     if tap.train:
         plot(tap, out / "loss.png")
     return {"epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
