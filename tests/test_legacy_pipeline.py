@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import chain_acceptance, legacy_workdir, run_inv, write_inventory
+from conftest import chain_acceptance, venv_workdir, run_inv, write_inventory
 from models import build_kimi_shaped_model
 
 # first session on a machine: the legacy_python fixture's inv setup downloads the legacy-cpu profile
@@ -33,7 +33,7 @@ def kimi(tmp_path_factory):
 
 
 def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_python, kimi, tmp_path):
-    workdir = legacy_workdir(legacy_python)
+    workdir = venv_workdir(legacy_python)
     inv = write_inventory(tmp_path, {"ref": sshd.entry(
         python=str(legacy_python), workdir=str(workdir), profile="cpu",
         env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})},

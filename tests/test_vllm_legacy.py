@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, legacy_workdir, write_inventory
+from conftest import REPO, venv_workdir, write_inventory
 from models import build_kimi_shaped_model, build_tiny_model
 from test_patches import patch_cli, record_exact, series_targets, site_packages, states, tree_digest
 
@@ -158,7 +158,7 @@ def legacy_inv(legacy_python, tmp_path) -> Path:
     """An inventory whose one host is the legacy venv (profile cpu), for inv patch.*; its workdir persists
     beside the venv, as the venv does."""
     return write_inventory(tmp_path, {"legacy": {
-        "transport": "local", "python": str(legacy_python), "workdir": str(legacy_workdir(legacy_python)),
+        "transport": "local", "python": str(legacy_python), "workdir": str(venv_workdir(legacy_python)),
         "profile": "cpu", "requirements": "legacy-cpu"}})
 
 
