@@ -1,13 +1,14 @@
 """The default pipeline's bars on SmolLM2-135M-Instruct, CPU, today's stack: time, acceptance, and the
 harness against the same work done by hand.
 
-    python bench/pipeline.py [--python PY] [--workdir DIR] [--inventory inventory.yaml] [--skip-by-hand]
+    python bench/pipeline.py [--python PY] [--workdir DIR] [--inventory inventory.yaml] [--skip-by-hand] [--reuse]
 
 1. The harness: ``inv pipeline --hosts local`` exactly as README's main job runs it, with the host's
    python ``--python`` (default: the ``local`` host's, ``~/.eagle-harness/venv/bin/python`` that ``inv
    setup --hosts local`` made) and a fresh workdir, so nothing is skipped.
 2. By hand, what a user would do instead, on the same data (the harness's own conversations and
-   converted model) with the same settings: a vLLM server for the target, ``speculators
+   converted model) with the same settings: the GGUF converted with transformers (timed; the harness's
+   copy is what the next steps read, so both train on the same weights), a vLLM server for the target, ``speculators
    regenerate-responses``, ``speculators prepare-data``, the server stopped; a vLLM server with the
    extract_hidden_states configs, ``speculators generate-offline-data``, stopped; ``speculators train``
    with the same flags as the harness's train stage (``--draft-vocab-size`` lets it build the vocabulary
@@ -113,6 +114,20 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
         with open(hand / "commands.log", "a") as log:
             subprocess.run([*cli, *args], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
 
+    # a user converts the shipped GGUF too (transformers' own loader, then save_pretrained); the rest
+    # reads the harness's converted copy, so both sides train on the same weights and tokenizer
+    t0 = time.perf_counter()
+    gguf = inv["model"]
+    convert = ("import importlib.util, sys; from pathlib import Path; "
+               "from transformers import AutoModelForCausalLM, AutoTokenizer; "
+               "d = Path(importlib.util.find_spec(sys.argv[1]).origin).parent; f, out = sys.argv[2], sys.argv[3]; "
+               "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
+               "AutoModelForCausalLM.from_pretrained(d, gguf_file=f).save_pretrained(out)")
+    with open(hand / "commands.log", "a") as log:
+        subprocess.run([str(python), "-c", convert, gguf["gguf_package"], gguf["gguf_file"], str(hand / "model")],
+                       check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    times["convert"] = time.perf_counter() - t0
+
     t0 = time.perf_counter()
     server = Server(python, model, max_len, hand / "server-prepare.log")
     url = f"http://127.0.0.1:{server.port}"
@@ -161,6 +176,8 @@ def main() -> int:
                         help="the host python (inv setup --hosts local makes the default one)")
     parser.add_argument("--workdir", help="default: a fresh temp dir")
     parser.add_argument("--skip-by-hand", action="store_true", help="only the harness's run")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take the harness's run from --workdir's harness.json (an earlier call's) and redo by hand")
     args = parser.parse_args()
     python = Path(args.python)
     if not python.is_file():
@@ -170,7 +187,12 @@ def main() -> int:
     print(f"workdir {workdir}; python {python}; cores {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}",
           flush=True)
 
-    stages, wall = harness_run(python, workdir, Path(args.inventory))
+    saved = workdir / "harness.json"
+    if args.reuse and saved.is_file():  # the harness's run of an earlier call on this workdir
+        stages, wall = (lambda d: (d["stages"], d["wall"]))(json.loads(saved.read_text()))
+    else:
+        stages, wall = harness_run(python, workdir, Path(args.inventory))
+        saved.write_text(json.dumps({"stages": stages, "wall": wall}))
     print(f"{'stage':<10}{'seconds':>9}  result")
     for name, s in stages.items():
         keys = ("samples", "tokens", "loss", "val_full_acc_0", "coverage", "acceptance_length", "backend")
