@@ -122,7 +122,9 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
                "from transformers import AutoModelForCausalLM, AutoTokenizer; "
                "d = Path(importlib.util.find_spec(sys.argv[1]).origin).parent; f, out = sys.argv[2], sys.argv[3]; "
                "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-               "AutoModelForCausalLM.from_pretrained(d, gguf_file=f).save_pretrained(out)")
+               "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f); "
+               # transformers 5 refuses to save a GGUF-loaded model, dequantized or not: drop its tag
+               "m.hf_quantizer = None; m.config.__dict__.pop('quantization_config', None); m.save_pretrained(out)")
     with open(hand / "commands.log", "a") as log:
         subprocess.run([str(python), "-c", convert, gguf["gguf_package"], gguf["gguf_file"], str(hand / "model")],
                        check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
