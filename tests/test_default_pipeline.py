@@ -17,7 +17,8 @@ import yaml
 from conftest import REPO, chain_acceptance, run_inv
 from harness import pipeline
 
-#: the held-out acceptance length the shipped settings reach (k = 3, 64 prompts; bench/pipeline.py)
+#: the held-out acceptance length (k = 3, 64 prompts) below which the shipped settings have regressed: they
+#: measure 1.87-1.93 (bench/pipeline.py; training is deterministic, vLLM's regenerated replies vary a little)
 ACCEPTANCE_BAR = 1.8
 
 
