@@ -97,8 +97,7 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
     """The same work with speculators' CLI and vLLM servers; seconds per step."""
     art = {name: Path(s["status"]["run_dir"]) / "artifacts" for name, s in stages.items()}
     train_args = json.loads((art["train"] / "metrics.json").read_text())["config"]["args"]
-    settings = dict(zip(train_args[::2], train_args[1::2]))
-    model = settings["--verifier-name-or-path"]
+    model = train_args[train_args.index("--verifier-name-or-path") + 1]
     meta = json.loads((art["extract"] / "extract.json").read_text())
     inv = yaml.safe_load((workdir / "inventory.yaml").read_text())  # the harness's run's, the host's settings over
     cfg = {**inv.get("pipeline", {}), **inv["hosts"]["local"].get("pipeline", {})}
@@ -106,13 +105,13 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
     hand = workdir / "by-hand"
     shutil.rmtree(hand, ignore_errors=True)
     hand.mkdir()
-    cli = [str(python), "-c", "from speculators.__main__ import app; app()"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     times = {}
 
-    def run(*args):
+    def run(*args, code="from speculators.__main__ import app; app()"):
+        """``python -c CODE ARGS`` in the host python (by default speculators' CLI), logged."""
         with open(hand / "commands.log", "a") as log:
-            subprocess.run([*cli, *args], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run([str(python), "-c", code, *args], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     # a user converts the shipped GGUF too (transformers' own loader, then save_pretrained); the rest
     # reads the harness's converted copy, so both sides train on the same weights and tokenizer
@@ -125,9 +124,7 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
                "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f); "
                # transformers 5 refuses to save a GGUF-loaded model, dequantized or not: drop its tag
                "m.hf_quantizer = None; m.config.__dict__.pop('quantization_config', None); m.save_pretrained(out)")
-    with open(hand / "commands.log", "a") as log:
-        subprocess.run([str(python), "-c", convert, gguf["gguf_package"], gguf["gguf_file"], str(hand / "model")],
-                       check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    run(gguf["gguf_package"], gguf["gguf_file"], str(hand / "model"), code=convert)
     times["convert"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -191,7 +188,8 @@ def main() -> int:
 
     saved = workdir / "harness.json"
     if args.reuse and saved.is_file():  # the harness's run of an earlier call on this workdir
-        stages, wall = (lambda d: (d["stages"], d["wall"]))(json.loads(saved.read_text()))
+        earlier = json.loads(saved.read_text())
+        stages, wall = earlier["stages"], earlier["wall"]
     else:
         stages, wall = harness_run(python, workdir, Path(args.inventory))
         saved.write_text(json.dumps({"stages": stages, "wall": wall}))

@@ -66,13 +66,12 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
 
 def draft_config(spec: dict, cfg: common.Settings, path) -> None:
     """The draft decoder's config as speculators builds it from the verifier (its own
-    ``create_transformer_layer_config``, what ``--num-layers`` alone gives), with the MLP narrowed to
-    ``pipeline.draft_intermediate_size``; written to ``path`` for ``--draft-config``."""
+    ``create_transformer_layer_config`` with its flags' defaults: what ``--num-layers`` alone gives), with
+    the MLP narrowed to ``pipeline.draft_intermediate_size``; written to ``path`` for ``--draft-config``."""
     from speculators.train.cli import create_transformer_layer_config
-    from speculators.train.config import TrainConfig
+    from speculators.train.config.schema import DraftArgs
 
-    defaults = TrainConfig.resolve(["--speculator-type", "eagle3", "--verifier-name-or-path", common.model_dir(spec),
-                                    "--data-path", "-"]).draft
+    defaults = DraftArgs()
     config = create_transformer_layer_config(
         verifier_name_or_path=common.model_dir(spec), num_layers=cfg.draft_layers, draft_arch=defaults.draft_arch or "llama",
         hidden_act=defaults.draft_hidden_act or None, sliding_window=defaults.sliding_window,
