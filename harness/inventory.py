@@ -45,16 +45,77 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ServiceSpec(_Strict):
-    """The production vLLM server that must give up the GPUs while a GPU stage runs."""
+class ManagedVllm(_Strict):
+    """A vLLM OpenAI server for the inventory's model that the harness runs itself on the host: started
+    detached in its own session with the host's python and env file, its pid file and log under
+    ``<workdir>/service/``, stopped by signalling its process group, healthy when ``/health`` answers.
+    The draft a deploy installed is added as ``--speculative-config``."""
 
+    #: the address the server listens on (on the host)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    #: more ``vllm.entrypoints.openai.api_server`` arguments (e.g. ``--max-model-len 1024``); on a host
+    #: without an accelerator ``--enforce-eager`` is added unless given
+    args: list[str] = Field(default_factory=list)
+
+
+class ServiceSpec(_Strict):
+    """The production vLLM server that gives up the GPUs (or, on a CPU host, the cores) while a stage
+    runs, and that a deploy restarts with the trained draft. Either ``vllm`` (the harness runs it) or
+    commands of your own (``stop``/``start``/``health``, e.g. systemd); a command-run server learns its
+    draft from ``<workdir>/service/draft.env`` (``SPECULATIVE_CONFIG``, see README)."""
+
+    vllm: ManagedVllm | None = None
     stop: str | None = None
     start: str | None = None
     health: str | None = None
+    #: a command that exits 0 while the server runs: the guard restarts after a stage only a server
+    #: that was running before it (unset: it always restarts one it stopped)
+    running: str | None = None
+    #: the server's base URL on the host (metrics, a deploy's acceptance check); default for ``vllm``:
+    #: http://HOST:PORT
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
     #: seconds to wait for the GPUs to free up after ``stop``
     timeout: int = Field(default=300, ge=1)
     #: seconds to wait for ``health`` after ``start`` (loading a 1T model takes many minutes)
     health_timeout: int = Field(default=1800, ge=1)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "ServiceSpec":
+        if self.vllm is not None:
+            mine = [k for k in ("stop", "start", "health", "running") if getattr(self, k)]
+            if mine:
+                raise ValueError(f"'vllm' (a server the harness runs) and '{mine[0]}' (a command of yours) "
+                                 "exclude each other: keep one way of running the server")
+        return self
+
+    @property
+    def managed(self) -> bool:
+        return self.vllm is not None
+
+    @property
+    def base_url(self) -> str | None:
+        if self.url:
+            return self.url.rstrip("/")
+        if self.vllm is not None:
+            host = "127.0.0.1" if self.vllm.host in ("0.0.0.0", "::") else self.vllm.host
+            return f"http://{host}:{self.vllm.port}"
+        return None
+
+
+class DeploySpec(_Strict):
+    """How ``inv deploy`` checks a draft on the production server before it keeps it."""
+
+    #: draft tokens per step the server proposes (vLLM's num_speculative_tokens)
+    k: int = Field(default=3, ge=1, le=16)
+    #: the live acceptance length below which the deploy rolls itself back (1.0: nothing accepted)
+    min_acceptance: float = Field(default=1.5, ge=1.0)
+    #: held-out prompts sent through the server to measure it
+    prompts: int = Field(default=16, ge=1)
+    #: new tokens per prompt
+    max_tokens: int = Field(default=64, ge=1)
+    #: requests in flight while measuring
+    concurrency: int = Field(default=4, ge=1)
 
 
 class HostSpec(_Strict):
@@ -203,6 +264,8 @@ class Inventory(_Strict):
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
     #: names of workstation environment variables passed through to hosts (values never stored here)
     secrets: list[str] = Field(default_factory=list)
+    #: ``inv deploy``'s check of a draft on the production server
+    deploy: DeploySpec = Field(default_factory=DeploySpec)
     #: where the inventory was read from (set by load_inventory, not a YAML field)
     source: str = Field(default="", exclude=True)
 
