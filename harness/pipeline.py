@@ -127,7 +127,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     done: list[StageRun] = []
     for stage in stages:
         rid = ids[stage]
-        gpu = conn.host.gpus > 0 and stage in graph.gpu_stages
+        gpu = runner.guarded(conn.host, stage, generation)
         say(f"{stage}: run {rid}")
         # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come
         # back healthy; queue behind it rather than be refused by the host's GPU lock

@@ -16,7 +16,7 @@ from harness import generations, runs
 from harness.connection import HostConnection
 from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
-from harness.inventory import Inventory
+from harness.inventory import HostSpec, Inventory
 from harness.pull import pull as pull_run
 
 
@@ -44,6 +44,16 @@ class StageRun:
                 "pulled": self.pulled, "seconds": round(self.seconds, 1)}
 
 
+def guarded(host: HostSpec, stage: str, generation: str) -> bool:
+    """Whether ``stage`` runs under the guard (host lock, service stopped, free GPUs): it runs the
+    target or trains (its contract's ``GPU``) on a host with GPUs, or with a production service that
+    needs the hardware given up (on a CPU host, the cores and the memory)."""
+    from harness import stagecontract
+
+    contracts = stagecontract.load(generation=generation)
+    return stage in contracts.gpu_stages and (host.gpus > 0 or host.service is not None)
+
+
 def check_finished(conn: HostConnection, stage: str, st: dict) -> None:
     """Raise unless the run succeeded and, when its guard stopped the service, the service is back."""
     rid = st.get("run_id")
@@ -66,8 +76,11 @@ def run_stage(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id
     Without ``pull`` the result comes from the host's result.json. Raises ``HarnessError`` when
     the run did not succeed or left the service unhealthy."""
     t0 = time.monotonic()
-    if not (extra or {}).get("generation") and code_root is None:  # the stages of the host's speculators line
+    if not (extra or {}).get("generation") and not (extra or {}).get("module") and code_root is None:
+        # the stages of the host's speculators line (a job naming its module, a deploy, has none)
         extra = {**(extra or {}), "generation": generations.host_generation(conn)}
+    if gpu is None and (extra or {}).get("generation"):
+        gpu = guarded(conn.host, stage, extra["generation"])
     h = runs.launch(conn, inv, stage, run_id=run_id, inputs=inputs, extra=extra, gpu=gpu, code_root=code_root,
                     environ=environ, poll_interval=poll_interval, lock_wait=lock_wait)
     out = StageRun(conn.name, stage, h.run_id, ran=h.launched, status=h.status)

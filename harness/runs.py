@@ -116,6 +116,33 @@ class Launch:
     secrets: list[str] = field(default_factory=list, repr=False)
 
 
+def service_commands(host: HostSpec, code_dir: str) -> dict[str, str | None]:
+    """The shell commands the guard runs for ``host``'s service: the inventory's own, or for a server
+    the harness runs (``service.vllm``) runtime/service.py's, from the code dir on the host."""
+    svc = host.service
+    if svc is None:
+        return {}
+    if not svc.managed:
+        return {"stop": svc.stop, "start": svc.start, "health": svc.health, "running": svc.running}
+    run = (f"cd {shell_path(code_dir)} && {shell_path(host.python)} -m runtime.service %s "
+           f"{shell_path(host.workdir.rstrip('/'))}")
+    return {op: run % op for op in ("stop", "start", "health", "running")}
+
+
+def service_payload(host: HostSpec, inv: Inventory | None, env_text: str) -> dict | None:
+    """The host's service as runctl writes it to ``<workdir>/service/`` (config.json, and the env file
+    the server runs with: the host's rendered ``env_text``), or None when the host has none."""
+    svc = host.service
+    if svc is None:
+        return None
+    config = {"mode": "vllm" if svc.managed else "commands", "url": svc.base_url, "python": host.python,
+              "model": inv.model.model_dump() if inv and inv.model else None,
+              "vllm": svc.vllm.model_dump() if svc.managed else None,
+              "commands": None if svc.managed else {k: getattr(svc, k) for k in ("stop", "start", "health", "running")},
+              "timeout": svc.timeout, "health_timeout": svc.health_timeout}
+    return {"config": config, "env_text": env_text}
+
+
 def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, code_sha: str, gpu: bool,
                    secret_names: list[str], poll_interval: float = 2.0, lock_wait: int = 0,
                    templates_dir: Path | None = None) -> str:
@@ -123,14 +150,14 @@ def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, c
     when the workdir is ``~/...``; the attempt number is filled in on the host)."""
     wd = host.workdir.rstrip("/")
     svc = host.service
+    commands = service_commands(host, f"{wd}/code/{code_sha}") if svc and gpu else {}
     ctx = {
         "run_id": run_id, "stage": stage, "attempt": "@@ATTEMPT@@", "spec_hash": spec_hash,
         "run_dir": shell_path(f"{wd}/runs/{run_id}"), "code_dir": shell_path(f"{wd}/code/{code_sha}"),
         "python": shell_path(host.python), "lock_path": shell_path(f"{wd}/gpu.lock"),
         "guard": gpu, "host_gpus": host.gpus,
-        "service_stop": (svc.stop if svc and gpu else "") or "",
-        "service_start": (svc.start if svc and gpu else "") or "",
-        "service_health": (svc.health if svc and gpu else "") or "",
+        "service_stop": commands.get("stop") or "", "service_start": commands.get("start") or "",
+        "service_health": commands.get("health") or "", "service_running": commands.get("running") or "",
         "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.health_timeout if svc else 1800,
         "poll_interval": poll_interval, "secret_names": secret_names, "lock_wait": lock_wait,
     }
@@ -170,7 +197,8 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
     wrapper = render_wrapper(host, run_id=run_id, stage=stage, spec_hash=spec_hash, code_sha=code_sha, gpu=gpu,
                              secret_names=sorted(envf.secrets), poll_interval=poll_interval, lock_wait=lock_wait)
     req = {"run_id": run_id, "stage_spec": sspec, "min_free_gb": host.min_free_gb, "inputs": inputs or {}, "spec_hash": spec_hash,
-           "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s}
+           "code_sha": code_sha, "env_text": envf.text, "wrapper_text": wrapper, "detach": detach, "wait_s": wait_s,
+           "service": service_payload(host, inv, envf.text)}
     res = runctl(conn, "launch", **req)
     if res.get("need_code"):
         res = runctl(conn, "launch", **req, code_tar=base64.b64encode(tar).decode())

@@ -12,7 +12,9 @@ import sys
 import threading
 from typing import Any, Callable
 
+from invoke import Task
 from invoke.exceptions import Exit
+from invoke.parser import Argument
 
 #: help strings of the options every host task takes
 COMMON_HELP = {
@@ -192,3 +194,38 @@ class ByteBar:
         if self._progress is not None:
             self._progress.__exit__(None, None, None)
             self._progress = None
+
+
+class _WaivedPositional(Argument):
+    """A positional argument that counts as given once another flag is set (``waived_by``)."""
+
+    waived_by: Argument | None = None
+
+    @property
+    def value(self) -> Any:
+        v = self._value if self._value is not None else self.default
+        if v is None and self.waived_by is not None and self.waived_by.value:
+            return ""
+        return v
+
+    @value.setter
+    def value(self, arg: str) -> None:
+        self.set_value(arg, cast=True)
+
+
+class WaivablePositionalTask(Task):
+    """A task whose positional argument a flag makes unnecessary: ``inv deploy RUN`` and ``inv deploy
+    --rollback`` (invoke requires every positional argument, and eats a token for one only while it is
+    missing: a default would stop it from ever taking one). ``waive={"run": "rollback"}``."""
+
+    def __init__(self, *args, waive: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waive = waive or {}
+
+    def get_arguments(self, ignore_unknown_help=None):
+        args = super().get_arguments(ignore_unknown_help=ignore_unknown_help)
+        by_name = {a.name: a for a in args}
+        for name, flag in self.waive.items():
+            by_name[name].__class__ = _WaivedPositional
+            by_name[name].waived_by = by_name[flag]
+        return args

@@ -79,6 +79,31 @@ def test_guard_stops_service_runs_stage_then_restores(guarded, tmp_path):
     assert not (tmp_path / "wd" / "gpu.lock.owner").exists()  # lock released
 
 
+def test_guard_leaves_a_stopped_service_stopped_when_it_can_tell(guarded, tmp_path):
+    """With service.running, a server that is not running is not stopped, and not started after the
+    stage (on a CPU host that would hand the cores to a server nobody had running); one that runs is
+    stopped and restarted as without the check."""
+    inv, connect, code, svc = guarded()
+    host = inv.hosts["gpu1"]
+    running = f"ps -o stat= -p $(cat {svc.pidfile}) | grep -q '^[^Z]'"
+    host.service = host.service.model_copy(update={"running": running})
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="g0a", extra={"markers": str(svc.markers)}, code_root=code,
+                environ=ENV, poll_interval=0.2)
+    assert _follow(conn, "g0a", tmp_path)["service"]["stopped"] is True  # it ran: stopped, restarted
+    assert svc.events()[-2:] == ["service-start", "service-healthy"]
+    svc.cleanup()  # the server goes down on its own
+    n = len(svc.events())
+    runs.launch(conn, inv, "teststage", run_id="g0b", extra={"markers": str(svc.markers)}, code_root=code,
+                environ=ENV, poll_interval=0.2)
+    st = _follow(conn, "g0b", tmp_path)
+    assert st["state"] == "succeeded"
+    assert st["service"] == {"stopped": False, "restarted": False, "healthy": None, "error": None}, st
+    assert svc.events()[n:] == ["stage-start", "stage-end"]
+    log = runs.read_whole_log(conn, "g0b")["log"]
+    assert "the service is not running: nothing to stop, nothing to restart" in log
+
+
 def test_guard_restores_service_when_stage_fails(guarded, tmp_path):
     inv, connect, code, svc = guarded()
     conn = connect()

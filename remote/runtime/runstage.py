@@ -2,7 +2,7 @@
 
 Why a separate entry point rather than ``python -m stages.<name>``: every stage then gets the same
 contract for free -- ``stages.<generation>.<name>.main(spec) -> dict`` (the spec's ``generation``;
-without one, ``stages.<name>``), its dict saved as ``<run_dir>/result.json``
+without one, ``stages.<name>``; a job that names its ``module``, such as ``runtime.deploy``, that one), its dict saved as ``<run_dir>/result.json``
 (atomically, so a half-written result never exists), an uncaught exception turned into a one-line
 ``@@harness`` message plus the traceback in the log and exit code 1, and ``sys.exit(n)`` kept as n.
 The wrapper (templates/run/wrapper.sh.j2) starts this in its own process group and records the
@@ -28,9 +28,10 @@ def main(argv):
     started = time.time()
     print("@@harness stage %s starting (run %s, pid %d)" % (spec["stage"], spec["run_id"], os.getpid()), flush=True)
     try:
-        # the stages of the host's speculators line (stages/<generation>/), chosen by the harness
+        # the stages of the host's speculators line (stages/<generation>/), chosen by the harness; a
+        # job that is not a pipeline stage (runtime.deploy) names its module
         package = "stages." + spec["generation"] if spec.get("generation") else "stages"
-        module = importlib.import_module(package + "." + spec["stage"])
+        module = importlib.import_module(spec.get("module") or package + "." + spec["stage"])
         result = module.main(spec)
     except KeyboardInterrupt:
         print("@@harness stage %s interrupted" % spec["stage"], flush=True)

@@ -343,6 +343,7 @@ def launch(spec):
     code_dir, uploaded = ensure_code(spec)
     if code_dir is None:
         return {"launched": False, "need_code": True}
+    write_service_config(spec)  # what the guard's service commands (runtime/service.py) read
     attempt = archive_attempt(rdir, st) if st is not None else 1
     os.makedirs(os.path.join(rdir, "artifacts"), exist_ok=True)
     stage_spec = dict(spec["stage_spec"])
@@ -371,6 +372,64 @@ def launch(spec):
         time.sleep(0.01)
     st = read_status(rdir)
     return {"launched": True, "code_uploaded": uploaded, "detach": how, "status": st}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the production service
+
+def write_service_config(spec):
+    """The inventory's service as the host keeps it (``<workdir>/service/config.json`` and its env
+    file), rewritten on every call that brings one, so the host follows the inventory."""
+    svc = spec.get("service")
+    if not svc:
+        return None
+    config = dict(svc["config"])
+    config["python"] = os.path.expanduser(config.get("python") or sys.executable)
+    config["workdir"] = workdir(spec)
+    d = os.path.join(workdir(spec), "service")
+    os.makedirs(d, exist_ok=True)
+    for name, text in (("env", svc.get("env_text") or ""), ("config.json", json.dumps(config, indent=1) + "\n")):
+        path = os.path.join(d, name)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path + ".tmp", 0o600)
+        os.replace(path + ".tmp", path)
+    return d
+
+
+def service(spec):
+    """``op``: start, stop, status or metrics of the host's production server (runtime/service.py, in
+    the code bundle, which the wrapper's guard and a deploy use too). ``metrics`` returns vLLM's
+    spec-decode counters now and their summary since ``since`` (an earlier reading; none: since the
+    server started), parsed with prometheus_client on the host's python."""
+    code_dir, uploaded = ensure_code(spec)
+    if code_dir is None:
+        return {"need_code": True}
+    write_service_config(spec)
+    if code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+    from runtime import service as svc  # noqa: PLC0415 - from the code bundle just ensured
+
+    op = spec["op"]
+    try:
+        server = svc.Service(workdir(spec))
+        if op == "start":
+            return server.start(code_dir)
+        if op == "stop":
+            return server.stop(float(spec.get("grace", 60)))
+        if op == "status":
+            return server.status()
+        if op == "metrics":
+            try:
+                from stages.lib import specdecode  # noqa: PLC0415
+            except ImportError as e:
+                raise Refused("cannot parse vLLM's metrics on this host: %s; run inv setup" % e)
+            now = specdecode.counters(server.metrics_text())
+            return {"counters": now, "summary": specdecode.summary(spec.get("since"), now)}
+    except svc.ServiceError as e:
+        raise Refused(str(e), kind="service")
+    raise Refused("unknown service operation %r" % op)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -567,7 +626,7 @@ def secret_names(rdir):
     return []
 
 
-ACTIONS = {"launch": launch, "status": status, "list": list_runs, "logs": logs, "follow": follow,
+ACTIONS = {"launch": launch, "service": service, "status": status, "list": list_runs, "logs": logs, "follow": follow,
            "stop": stop, "manifest": manifest, "last_env": last_env}
 
 
