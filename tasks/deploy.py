@@ -1,0 +1,54 @@
+"""inv deploy: serve a trained draft from the host's production vLLM, checked live, rolled back by itself."""
+from invoke import task
+
+from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTask, clean_errors, console, emit_json,
+                        escape, finish, load, print_failures)
+
+
+@task(klass=WaivablePositionalTask, waive={"run": "rollback"}, positional=["run"], help=COMMON_HELP | {
+    "run": "the train run whose checkpoint to serve (inv runs.list)",
+    "k": "draft tokens per step (default: the inventory's deploy.k)",
+    "min_acceptance": "the live acceptance length to clear (default: deploy.min_acceptance)",
+    "rollback": "undo the current deploy: the server runs what it ran before it"})
+@clean_errors
+def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acceptance=None, rollback=False):
+    """Serve RUN's draft from the production server: restart it with the draft, wait for health, measure
+    the live acceptance length; unhealthy or below deploy.min_acceptance, roll back by itself."""
+    from harness import deploy as _deploy
+    from harness.errors import HarnessError
+    from harness.parallel import on_hosts, with_connection
+
+    if rollback and run:
+        raise HarnessError("--rollback undoes the current deploy: give no RUN with it")
+    if not rollback and not run:
+        raise HarnessError("name the train run to deploy: inv deploy RUN (inv runs.list shows them), or --rollback")
+    inv, selected = load(inventory, hosts)
+    k = int(k) if k is not None else None
+    min_acceptance = float(min_acceptance) if min_acceptance is not None else None
+    _deploy.settings(inv, k, min_acceptance)  # a floor that can never be met fails before any host
+    out = HostOutput(enabled=not json)
+    live = len(selected) == 1 and not json
+
+    def one(conn):
+        with StageView(f"{conn.name} deploy", show=live, echo=None if live else out.for_host(conn.name)) as view:
+            return _deploy.deploy(conn, inv, run, rollback=rollback, k=k, min_acceptance=min_acceptance,
+                                  on_line=view.line)
+
+    results = on_hosts(selected, with_connection(inv, one))
+    if json:
+        emit_json(results.to_json(lambda r: r.as_dict()))
+    else:
+        for host, r in results.succeeded.items():
+            res = r.result
+            if res.get("state") == "deployed":
+                m = res.get("measurement") or {}
+                line = (f"deployed run {escape(res.get('run_id'))} as {escape(res.get('deploy_id'))} (k={res.get('k')}): "
+                        f"live acceptance length {m.get('acceptance_length')}, rate {m.get('acceptance_rate')}, "
+                        f"{m.get('tokens_per_s')} tokens/s over {m.get('prompts')} prompts")
+            else:
+                back = res.get("restored")
+                line = (f"rolled back deploy {escape(res.get('undid'))}: the service runs "
+                        + (f"the draft of run {escape(back.get('run_id'))}" if back else "without a draft"))
+            console("out").print(f"[bold cyan]\\[{escape(host)}][/] [green]{line}[/]")
+        print_failures(results)
+    finish(results)
