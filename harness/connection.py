@@ -46,6 +46,7 @@ REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "patchstate": ("probe", "distinfo"),
     "apicheck": ("distinfo",),
     "runctl": ("probe", "distinfo"),
+    "plan": ("probe", "runctl", "distinfo"),
 }
 
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from harness import REMOTE_DIR, generations, patches, runner, runs, stagecontract
+from harness import REMOTE_DIR, generations, patches, plan, runner, runs, stagecontract
 from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.inventory import Inventory
@@ -124,9 +124,20 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
             raise HarnessError(
                 f"host {conn.name}: --from {stages[0]} needs a successful {d} run with these settings ({ids[d]}), "
                 f"but it is {state}; run: inv pipeline --from {d}")
+    # the plan first: an extraction that cannot fit is refused before it starts (here when prepare's
+    # token count is known, else after prepare, with the exact count); the upper bound only warns
+    sized = plan.make_plan(conn, inv, stages)
+    if not sized.fits:
+        if sized.hidden_states["exact"]:
+            raise HarnessError(sized.refusal(), kind="does not fit")
+        say(f"warning: {sized.reason}; checked again with prepare's token count before extract")
     done: list[StageRun] = []
     for stage in stages:
         rid = ids[stage]
+        if stage == "extract" and not sized.hidden_states["exact"] and done:
+            sized = plan.make_plan(conn, inv, stages)
+            if not sized.fits:
+                raise HarnessError(sized.refusal(), kind="does not fit")
         gpu = runner.guarded(conn.host, stage, generation)
         say(f"{stage}: run {rid}")
         # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come

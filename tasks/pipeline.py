@@ -8,15 +8,21 @@ from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, emit_j
 
 @task(help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
                           "to": "last stage to run", "no_pull": "leave the artifacts on the host",
-                          "no_patch": "do not apply the patch set first"})
+                          "no_patch": "do not apply the patch set first",
+                          "plan": "change nothing: per host, the stages that would run, the target's shape, the "
+                                  "hidden states' size against the free space, the GPUs, a verdict (exit 1: "
+                                  "does not fit)"})
 @clean_errors
-def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False):
+def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False,
+             plan=False):
     """Patch if needed, then prepare -> extract -> vocab -> train -> evaluate, skipping unchanged stages."""
     from harness import pipeline as _pipeline
     from harness.parallel import on_hosts, with_connection
 
     inv, selected = load(inventory, hosts)
-    _pipeline.select_stages(from_, to)  # bad stage names fail before any connection
+    stages = _pipeline.select_stages(from_, to)  # bad stage names fail before any connection
+    if plan:
+        return show_plans(inv, selected, stages, json)
     out = HostOutput(enabled=not json)
     live = len(selected) == 1 and not json  # one host: a live progress bar; several: prefixed lines
 
@@ -50,4 +56,56 @@ def summary_table(host: str, runs):
                   str(r.get("samples", "")), str(r.get("tokens", "")),
                   f"{loss:.3f}" if isinstance(loss, (int, float)) else "",
                   f"{acc:.2f}" if isinstance(acc, (int, float)) else "", o.pulled or "")
+    return t
+
+
+def show_plans(inv, selected, stages, json):
+    """``--plan``: each host's plan (harness/plan.py), a table or JSON; exit 1 when one does not fit."""
+    from invoke.exceptions import Exit
+
+    from harness import plan as _plan
+    from harness.parallel import on_hosts, with_connection
+
+    results = on_hosts(selected, with_connection(inv, lambda conn: _plan.make_plan(conn, inv.for_host(conn.name),
+                                                                                   stages)))
+    if json:
+        emit_json(results.to_json(lambda p: p.as_dict()))
+    else:
+        for p in results.succeeded.values():
+            print_wide(plan_table(p))
+        print_failures(results)
+    finish(results)
+    misfits = [p for p in results.succeeded.values() if not p.fits]
+    if misfits:
+        raise Exit("\n".join(f"error: {p.refusal()}" for p in misfits), code=1)
+
+
+def plan_table(p):
+    from rich.table import Table
+
+    from harness.plan import human_bytes
+    from tasks._cli import escape
+
+    t = Table(title=f"plan for {p.host}", title_justify="left", header_style="bold", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    m = p.model
+    shape = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, vocabulary {m.get('vocab_size')}"
+             + (f" (its {m['text_config']})" if m.get("text_config") else "")) if not m.get("error") else m["error"]
+    t.add_row("target", escape(f"{shape}\n{m.get('source') or ''}"))
+    t.add_row("speculators", f"{p.speculators or 'not installed'} ({p.generation or 'no stages'})")
+    gpus = p.gpus
+    t.add_row("GPUs", "no GPU (nvidia-smi not found)" if gpus is None else
+              f"{len(gpus)} x {gpus[0]['name']}" if gpus else "none")
+    for s in p.stages:
+        t.add_row(f"stage {s['stage']}", f"{s['action']}  {s['run_id'] or ''}")
+    hs = p.hidden_states
+    size = human_bytes(hs["bytes"]) if hs.get("bytes") is not None else "unknown"
+    t.add_row("hidden states", f"{size} ({hs['tokens']:,} tokens, {hs['basis']})"
+              + ("" if hs.get("stored") else ", not stored by this run"))
+    t.add_row("free", escape(f"{human_bytes(p.free_bytes)} under {p.workdir}"))
+    colour = {"fits": "green", "does not fit": "red"}.get(p.verdict, "yellow")
+    t.add_row("verdict", f"[{colour}]{p.verdict}[/]: {escape(p.reason)}")
+    for w in p.ways_out:
+        t.add_row("way out", escape(w))
     return t

@@ -1,0 +1,114 @@
+"""``inv pipeline --plan`` and the pipeline's own size check, on a loopback sshd host with today's stack.
+
+The reference case at full size without a byte of weights: Kimi-K2.5's config.json (its text model under
+``text_config``) and 50,000 samples of 8,192 tokens. Then the exact count: a prepare run that succeeded
+on the host (its status and result as the runner writes them) makes the pipeline refuse its extraction
+before it launches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from conftest import run_inv, write_inventory
+from models import build_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+
+#: Kimi-K2.5's config.json, as published (the fields a plan reads, and the wrapper around them)
+KIMI_K25_CONFIG = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+        "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 384, "num_experts_per_tok": 8, "num_attention_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "first_k_dense_replace": 1, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    },
+    "vision_config": {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 27},
+    "torch_dtype": "bfloat16",
+}
+
+
+def _host(tmp_path, sshd_factory, python, model, pipeline, name="planhost"):
+    sshd = sshd_factory(name)
+    workdir = tmp_path / "wd"
+    inventory = write_inventory(tmp_path, {name: sshd.entry(python=str(python), workdir=str(workdir), profile="cpu")},
+                                model={"path": str(model)}, pipeline=pipeline)
+    return inventory, workdir
+
+
+def test_plan_sizes_kimi_k25_at_full_scale_and_says_it_does_not_fit(tmp_path, sshd_factory, current_python):
+    model = tmp_path / "kimi-k2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
+    inventory, workdir = _host(tmp_path, sshd_factory, current_python, model,
+                               {"samples": 50000, "max_seq_len": 8192})
+    r = run_inv("pipeline", "--plan", "--json", "--hosts", "planhost", "--inventory", str(inventory))
+    assert r.returncode == 1, r.stdout + r.stderr
+    p = json.loads(r.stdout)["planhost"]
+    assert p["model"]["text_config"] == "text_config" and p["model"]["hidden_size"] == 7168
+    assert p["model"]["num_hidden_layers"] == 61 and p["model"]["vocab_size"] == 163840
+    hs = p["hidden_states"]
+    assert hs["bytes_per_token"] == 4 * 7168 * 2 == 57344 and hs["exact"] is False
+    assert hs["bytes"] == 50000 * 8192 * 57344 and round(hs["bytes"] / 1e12, 1) == 23.5
+    st = os.statvfs(tmp_path)
+    assert abs(p["free_bytes"] - st.f_bavail * st.f_frsize) < 2**30  # the host's own free space, read there
+    assert p["verdict"] == "does not fit" and p["fits"] is False and p["generation"] == "current"
+    assert [s["action"] for s in p["stages"]] == ["run"] * 5
+    assert any("pipeline.online: true" in w for w in p["ways_out"]) and any("workdir" in w for w in p["ways_out"])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "23.5 TB" in errors[0] and "Traceback" not in r.stderr
+    assert not (workdir / "runs").exists()  # a plan changes nothing
+
+    # the same as people read it, and the way out it names works: online stores nothing
+    r = run_inv("pipeline", "--plan", "--hosts", "planhost", "--inventory", str(inventory))
+    assert r.returncode == 1 and "23.5 TB" in r.stdout and "(its text_config)" in r.stdout, r.stdout
+    inventory.write_text(inventory.read_text().replace("max_seq_len: 8192", "max_seq_len: 8192\n  online: true"))
+    r = run_inv("pipeline", "--plan", "--json", "--hosts", "planhost", "--inventory", str(inventory))
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads(r.stdout)["planhost"]
+    assert p["verdict"] == "fits" and p["hidden_states"]["stored"] is False and p["hidden_states"]["online"] is True
+
+
+def _fake_prepare(workdir, run_id: str, samples: int, tokens: int) -> None:
+    """A prepare run that succeeded on the host, as the runner leaves it (status.json, result.json)."""
+    run = workdir / "runs" / run_id
+    (run / "artifacts").mkdir(parents=True)
+    now = time.time()
+    (run / "status.json").write_text(json.dumps({"run_id": run_id, "state": "succeeded", "exit_code": 0,
+                                                 "started_ts": now - 60, "finished_ts": now}))
+    (run / "result.json").write_text(json.dumps({"samples": samples, "tokens": tokens}))
+
+
+def test_the_pipeline_refuses_an_extraction_that_cannot_fit(tmp_path, sshd_factory, current_python):
+    """prepare's exact token count on the host (a billion-token dataset): the plan says it fits no
+    longer, so the pipeline stops before extract launches, naming the numbers and the ways out."""
+    model = build_tiny_model(tmp_path / "tiny")
+    inventory, workdir = _host(tmp_path, sshd_factory, current_python, model, {"samples": 16, "max_seq_len": 96},
+                               name="fullhost")
+    env = {"HARNESS_INVENTORY": str(inventory), "HARNESS_RUNS_DIR": str(tmp_path / "runs")}
+    r = run_inv("pipeline", "--plan", "--json", "--hosts", "fullhost", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads(r.stdout)["fullhost"]
+    assert p["verdict"] == "fits" and p["hidden_states"]["tokens"] == 16 * 96 and not p["hidden_states"]["exact"]
+    prepare = next(s for s in p["stages"] if s["stage"] == "prepare")["run_id"]
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    tokens = free // (4 * 128 * 2) * 2  # twice what the free space holds at hidden 128
+    _fake_prepare(workdir, prepare, samples=16, tokens=tokens)
+    p = json.loads(run_inv("pipeline", "--plan", "--json", "--hosts", "fullhost", env=env).stdout)["fullhost"]
+    assert p["stages"][0]["action"] == "skip: succeeded before" and p["hidden_states"]["exact"] is True
+    assert p["hidden_states"]["tokens"] == tokens and p["verdict"] == "does not fit"
+    assert any("pipeline.samples" in w for w in p["ways_out"])
+
+    r = run_inv("pipeline", "--from", "extract", "--hosts", "fullhost", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hidden states need" in errors[0] and "ways out" in errors[0], r.stderr
+    assert sorted(x.name for x in (workdir / "runs").iterdir()) == [prepare]  # extract never launched
