@@ -308,3 +308,21 @@ def load_kimi_text_model(path: Path, dtype=None):
              if k.startswith("language_model.")}
     model.load_state_dict(state, strict=True)
     return model.to(dtype or torch.float32).eval()
+
+
+#: Kimi-K2.5's config.json at full size, as published (the fields a plan reads and the wrapper around them;
+#: no weights: what ``inv pipeline --plan`` sizes the reference case with)
+KIMI_K25_CONFIG = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+        "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 384, "num_experts_per_tok": 8, "num_attention_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "first_k_dense_replace": 1, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    },
+    "vision_config": {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 27},
+    "torch_dtype": "bfloat16",
+}

@@ -14,26 +14,9 @@ import time
 import pytest
 
 from conftest import run_inv, write_inventory
-from models import build_tiny_model
+from models import KIMI_K25_CONFIG, build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
-
-#: Kimi-K2.5's config.json, as published (the fields a plan reads, and the wrapper around them)
-KIMI_K25_CONFIG = {
-    "architectures": ["KimiK25ForConditionalGeneration"],
-    "model_type": "kimi_k25",
-    "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
-    "text_config": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "n_routed_experts": 384, "num_experts_per_tok": 8, "num_attention_heads": 64, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "first_k_dense_replace": 1, "torch_dtype": "bfloat16",
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
-    },
-    "vision_config": {"patch_size": 14, "vt_hidden_size": 1152, "vt_num_hidden_layers": 27},
-    "torch_dtype": "bfloat16",
-}
-
 
 def _host(tmp_path, sshd_factory, python, model, pipeline, name="planhost"):
     sshd = sshd_factory(name)
