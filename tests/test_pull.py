@@ -190,14 +190,13 @@ SFTP_DROP_SCRIPT = """
 import sys
 sys.path[:0] = [{repo!r}]
 import harness.pull as P
-P.CHUNK = 1 << 14
 from harness.errors import HarnessError
 from harness.inventory import load_inventory
 from harness.connection import open_host
 inv = load_inventory({inv!r})
 conn = open_host(inv.hosts["gpu1"], inv)
 try:
-    P.pull(conn, "big", {dest!r}, method="sftp")
+    P.pull(conn, "big", {dest!r}, method="sftp", chunk=1 << 14)  # small reads: the drop lands mid-file
 except HarnessError as e:
     print("HarnessError:", e, flush=True)
     sys.exit(3)

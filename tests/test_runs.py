@@ -143,6 +143,27 @@ def test_stage_outlives_its_connection_and_logs_resume_at_offset(host, sshd, tmp
     assert mirror == full
 
 
+def test_follow_reconnects_by_itself_across_a_dropped_link(host, sshd, tmp_path):
+    """With reconnect on (the default a user gets), a dropped link mid-run costs nothing: follow opens a
+    new connection and continues from the offset it reached, every line once, to the run's end."""
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="relink", extra={"lines": 40, "delay": 0.1}, code_root=code,
+                environ=ENV)
+    seen: list[str] = []
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(
+        runs.follow(conn, "relink", base=tmp_path / "runs", on_line=seen.append, reconnect_s=60)))
+    t.start()
+    wait_for(lambda: sum(l.startswith("line ") for l in seen) >= 5)
+    at_drop = sum(l.startswith("line ") for l in seen)
+    assert drop_connections(sshd) >= 1
+    t.join(120)
+    assert not t.is_alive() and out["state"] == "succeeded", out
+    assert at_drop < 40  # the drop came mid-run, and follow saw the rest over a new connection
+    assert [l for l in seen if l.startswith("line ")] == [f"line {i} of 40" for i in range(1, 41)]
+
+
 def test_runs_stop_ends_the_whole_process_group(host, tmp_path):
     inv, connect, code = host
     conn = connect()
