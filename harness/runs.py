@@ -124,9 +124,8 @@ def service_commands(host: HostSpec, code_dir: str) -> dict[str, str | None]:
         return {}
     if not svc.managed:
         return {"stop": svc.stop, "start": svc.start, "health": svc.health, "running": svc.running}
-    run = (f"cd {shell_path(code_dir)} && {shell_path(host.python)} -m runtime.service %s "
-           f"{shell_path(host.workdir.rstrip('/'))}")
-    return {op: run % op for op in ("stop", "start", "health", "running")}
+    return {op: (f"cd {shell_path(code_dir)} && {shell_path(host.python)} -m runtime.service {op} "
+                 f"{shell_path(host.workdir.rstrip('/'))}") for op in ("stop", "start", "health", "running")}
 
 
 def service_payload(host: HostSpec, inv: Inventory | None, env_text: str) -> dict | None:

@@ -229,3 +229,16 @@ class WaivablePositionalTask(Task):
             by_name[name].__class__ = _WaivedPositional
             by_name[name].waived_by = by_name[flag]
         return args
+
+
+def number(value, option: str, kind: type = float):
+    """An option's value as ``kind`` (invoke hands options without a typed default over as text); bad
+    input is one line naming the option, not a traceback. None stays None."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        from harness.errors import HarnessError
+
+        raise HarnessError(f"{option} {value!r}: not {'a whole number' if kind is int else 'a number'}") from None

@@ -1,7 +1,7 @@
 """inv deploy: serve a trained draft from the host's production vLLM, checked live, rolled back by itself."""
 from invoke import task
 
-from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTask, clean_errors, console, emit_json,
+from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTask, clean_errors, console, emit_json, number,
                         escape, finish, load, print_failures)
 
 
@@ -23,8 +23,8 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
     if not rollback and not run:
         raise HarnessError("name the train run to deploy: inv deploy RUN (inv runs.list shows them), or --rollback")
     inv, selected = load(inventory, hosts)
-    k = int(k) if k is not None else None
-    min_acceptance = float(min_acceptance) if min_acceptance is not None else None
+    k = number(k, "-k", int)
+    min_acceptance = number(min_acceptance, "--min-acceptance")
     _deploy.settings(inv, k, min_acceptance)  # a floor that can never be met fails before any host
     out = HostOutput(enabled=not json)
     live = len(selected) == 1 and not json

@@ -63,11 +63,11 @@ def show_plans(inv, selected, stages, json):
     """``--plan``: each host's plan (harness/plan.py), a table or JSON; exit 1 when one does not fit."""
     from invoke.exceptions import Exit
 
-    from harness import plan as _plan
+    from harness import pipeline as _pipeline
     from harness.parallel import on_hosts, with_connection
 
-    results = on_hosts(selected, with_connection(inv, lambda conn: _plan.make_plan(conn, inv.for_host(conn.name),
-                                                                                   stages)))
+    results = on_hosts(selected, with_connection(inv, lambda conn: _pipeline.plan_for(conn, inv.for_host(conn.name),
+                                                                                      stages)))
     if json:
         emit_json(results.to_json(lambda p: p.as_dict()))
     else:

@@ -2,14 +2,15 @@
 rates, tokens/s, requests), read from its Prometheus /metrics with prometheus_client's parser."""
 from invoke import task
 
-from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, finish, load, print_failures
+from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, finish, load, number, print_failures
 
 
 def line(s: dict) -> str:
     acc = s.get("acceptance_length")
     pos = " ".join(f"{r:.2f}" for r in s.get("acceptance_rate_per_position") or [])
     tps = f", {s['tokens_per_s']:.1f} tokens/s" if s.get("tokens_per_s") is not None else ""
-    return (f"acceptance length {acc:.3f}, rate {s['acceptance_rate']:.3f}, per position [{pos}]" if acc
+    rate = f"{s['acceptance_rate']:.3f}" if s.get("acceptance_rate") is not None else "-"
+    return (f"acceptance length {acc:.3f}, rate {rate}, per position [{pos}]" if acc
             else "no drafts counted (no draft served, or no traffic)") + (
         f"; {s['drafts']} drafts, {s['generation_tokens']} tokens generated, {s['requests']} requests{tps}")
 
@@ -17,7 +18,7 @@ def line(s: dict) -> str:
 @task(help=COMMON_HELP | {"watch": "print the interval's figures every N seconds until Ctrl-C",
                           "count": "with --watch: stop after this many intervals (0: until Ctrl-C)"})
 @clean_errors
-def metrics(c, inventory=None, hosts=None, json=False, watch=0, count=0):
+def metrics(c, inventory=None, hosts=None, json=False, watch=None, count=None):
     """Live acceptance of each host's server by vLLM's own counters: since it started, or per interval."""
     import json as _json
     import time
@@ -26,6 +27,7 @@ def metrics(c, inventory=None, hosts=None, json=False, watch=0, count=0):
     from harness.parallel import on_hosts, with_connection
 
     inv, selected = load(inventory, hosts)
+    watch, count = number(watch, "--watch") or 0, number(count, "--count", int) or 0
     previous: dict = {}
 
     def once():

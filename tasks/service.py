@@ -1,7 +1,7 @@
 """The production vLLM server of each host: start it (and wait until it is healthy), stop it, its status."""
 from invoke import task
 
-from tasks._cli import COMMON_HELP, HostOutput, clean_errors, console, emit_json, escape, finish, load, print_failures
+from tasks._cli import COMMON_HELP, HostOutput, clean_errors, console, emit_json, escape, finish, load, number, print_failures
 
 
 def _each(inventory, hosts, fn):
@@ -40,11 +40,12 @@ def start(c, inventory=None, hosts=None, json=False, wait=True, timeout=None):
     """Start each host's production server (with the draft a deploy installed) and wait for its health."""
     from harness import service
 
+    timeout = number(timeout, "--timeout") or None  # bad input stops here, before any host
     out = HostOutput(enabled=not json)
 
     def one(conn, inv):
         out.line(conn.name, "starting the service" + (" and waiting for its health" if wait else ""))
-        return service.start(conn, inv, wait=wait, timeout=float(timeout) if timeout else None)
+        return service.start(conn, inv, wait=wait, timeout=timeout)
 
     results = _each(inventory, hosts, one)
     if json:
@@ -58,13 +59,14 @@ def start(c, inventory=None, hosts=None, json=False, wait=True, timeout=None):
     finish(results)
 
 
-@task(help=COMMON_HELP | {"grace": "seconds between SIGTERM and SIGKILL (a server the harness runs)"})
+@task(help=COMMON_HELP | {"grace": "seconds between SIGTERM and SIGKILL (a server the harness runs; default 60)"})
 @clean_errors
-def stop(c, inventory=None, hosts=None, json=False, grace=60):
+def stop(c, inventory=None, hosts=None, json=False, grace=None):
     """Stop each host's production server."""
     from harness import service
 
-    results = _each(inventory, hosts, lambda conn, inv: service.stop(conn, inv, grace=float(grace)))
+    grace = number(grace, "--grace") or 60.0  # bad input stops here, before any host
+    results = _each(inventory, hosts, lambda conn, inv: service.stop(conn, inv, grace=grace))
     if json:
         emit_json(results.to_json())
     else:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from contextlib import contextmanager
 
@@ -133,6 +134,10 @@ def checked_checkpoint(train_artifacts, run_id):
             raise DeployFailed("run %s: %s does not match the run's SHA256SUMS (sha256 %s, recorded %s); "
                                "run train again" % (run_id, rel, digest, sums[rel]))
         files[name] = digest
+    missing = sorted(n for n in sums if n.startswith("checkpoint/") and n[len("checkpoint/"):] not in files)
+    if missing:
+        raise DeployFailed("run %s: %s is in the run's SHA256SUMS but not in its checkpoint/ (deleted after the "
+                           "run?); run train again" % (run_id, missing[0]))
     if not any(n.endswith(".safetensors") for n in files):
         raise DeployFailed("run %s: checkpoint/ holds no *.safetensors weights" % run_id)
     return ckpt, files
@@ -161,18 +166,34 @@ def heldout_prompts(workdir, train_run, code_dir, n):
     return prompts[-n:], "the shipped prompt set's last %d" % n
 
 
+class Terminated(Exception):
+    """TERM (inv runs.stop) while the new draft was being switched in or measured."""
+
+
+def _term_as_error(signum, frame):
+    raise Terminated("stopped (SIGTERM) while switching to the new draft")
+
+
 def install(ckpt, files, dest):
     """Copy the checkpoint to ``dest`` (a temp dir, each file verified, then renamed into place)."""
     if os.path.isdir(dest):
         return dest
     tmp = dest + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, digest in files.items():
-        shutil.copyfile(os.path.join(ckpt, name), os.path.join(tmp, name))
-        if sha256(os.path.join(tmp, name)) != digest:
-            raise DeployFailed("the copy of checkpoint/%s under %s differs from the run's; check the disk" % (name, tmp))
-    os.replace(tmp, dest)
+    try:
+        os.makedirs(tmp)
+        for name, digest in files.items():
+            shutil.copyfile(os.path.join(ckpt, name), os.path.join(tmp, name))
+            if sha256(os.path.join(tmp, name)) != digest:
+                raise DeployFailed("the copy of checkpoint/%s under %s differs from the run's; check the disk"
+                                   % (name, tmp))
+        os.replace(tmp, dest)
+    except OSError as e:  # a full disk: nothing half-copied stays behind, and the service was not touched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DeployFailed("installing the checkpoint under %s failed: %s" % (os.path.dirname(dest), e))
+    except DeployFailed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return dest
 
 
@@ -230,15 +251,22 @@ def deploy(spec, cfg, service):
               "was_running": was_running, "state": "switching"}
     write_json(os.path.join(ddir, "deploy.json"), record)
     service.set_draft(draft)
-    ok, why = restart(service, code_dir)
     measurement = None
-    if ok:
-        try:
+    # from here on the host serves (or is switching to) the new draft: whatever fails, the previous server
+    # is put back (a stop command that fails, a reply that does not parse, a TERM from inv runs.stop)
+    previous_term = signal.signal(signal.SIGTERM, _term_as_error)
+    try:
+        ok, why = restart(service, code_dir)
+        if ok:
             measurement = measured(service, prompts, cfg)
-        except DeployFailed as e:
-            ok, why = False, str(e)
-        except OSError as e:
-            ok, why = False, "measuring through %s failed: %s" % (service.url, e)
+    except DeployFailed as e:
+        ok, why = False, str(e)
+    except OSError as e:
+        ok, why = False, "measuring through %s failed: %s" % (service.url, e)
+    except Exception as e:  # noqa: BLE001 - any failure after the switch must end in the rollback below
+        ok, why = False, "%s: %s" % (type(e).__name__, e)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     if ok and measurement["acceptance_length"] < cfg["min_acceptance"]:
         ok, why = False, ("live acceptance length %.3f is below deploy.min_acceptance %.2f"
                           % (measurement["acceptance_length"], cfg["min_acceptance"]))

@@ -380,7 +380,7 @@ def serve(workdir):
     accelerator = torch.accelerator.current_accelerator() is not None
     argv = server_argv(service.config, path, service.draft(), accelerator)
     print("@@service exec: %s" % " ".join(shlex.quote(a) for a in argv), flush=True)
-    os.execv(argv[0], argv)
+    os.execvp(argv[0], argv)  # the inventory's python may be a bare name (python3): PATH finds it
 
 
 def main(argv):

@@ -53,8 +53,11 @@ def counters(text: str) -> dict:
 
 
 def summary(before: dict | None, after: dict) -> dict:
-    """What happened between two readings (``before`` None: since the server started)."""
+    """What happened between two readings (``before`` None: since the server started). A counter that
+    went down means the server restarted in between (a deploy, the guard): then since that start."""
     before = before or {}
+    if any(after[k] < before.get(k, 0.0) for k in COUNTERS):
+        before = {}
     d = {k: after[k] - before.get(k, 0.0) for k in COUNTERS}
     pos_b = before.get("accepted_per_position") or []
     pos = [a - (pos_b[i] if i < len(pos_b) else 0.0) for i, a in enumerate(after["accepted_per_position"])]
