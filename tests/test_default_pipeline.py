@@ -25,7 +25,7 @@ ACCEPTANCE_BAR = 1.8
 
 # The default job is sized to the 15-minute bar on a 2-core machine, so it alone can outlast
 # the suite's 900 s per-test limit; a slower CI machine gets room, the bar is bench/pipeline.py's.
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(4200)  # ~45 min on 2 cores without native bf16 (prepare alone ~20)
 def test_default_pipeline_on_smollm2(tmp_path, current_python):
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     local = inv["hosts"]["local"]
@@ -42,7 +42,7 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert facts["packages"]["speculators"].startswith("0.9.") and facts["packages"]["vllm"].startswith("0.32."), \
         facts["packages"]
 
-    r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=2700)
+    r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=3900)
     assert r.returncode == 0, r.stderr[-4000:]
     stages = json.loads(r.stdout)["local"]
     assert [s["stage"] for s in stages] == pipeline.ORDER
