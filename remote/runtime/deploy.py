@@ -27,7 +27,7 @@ import signal
 import time
 from contextlib import contextmanager
 
-from runtime.service import Service, ServiceError, restart
+from runtime.service import Service, ServiceError, read_json, restart, write_text
 
 SETTINGS = {                 # inventory ``deploy:`` (and inv deploy's options) over these defaults
     "k": 3,                  # draft tokens per step (vLLM's num_speculative_tokens)
@@ -51,19 +51,7 @@ def now():
 
 
 def write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
+    write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 @contextmanager

@@ -38,7 +38,8 @@ def state_dir(workdir):
     return os.path.join(os.path.abspath(os.path.expanduser(workdir)), "service")
 
 
-def _read_json(path, default=None):
+def read_json(path, default=None):
+    """A JSON file's content, or ``default`` when it is missing or unreadable."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -46,7 +47,8 @@ def _read_json(path, default=None):
         return default
 
 
-def _write(path, text, mode=0o644):
+def write_text(path, text, mode=0o644):
+    """Write ``path`` atomically (a temp file, then renamed): a reader never sees half of it."""
     tmp = "%s.tmp-%d" % (path, os.getpid())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
@@ -60,8 +62,8 @@ def write_config(workdir, config, env_text):
     server runs with (``env``, 0600: it may hold secrets)."""
     d = state_dir(workdir)
     os.makedirs(d, exist_ok=True)
-    _write(os.path.join(d, "env"), env_text or "", 0o600)
-    _write(os.path.join(d, "config.json"), json.dumps(config, indent=1, sort_keys=True) + "\n", 0o600)
+    write_text(os.path.join(d, "env"), env_text or "", 0o600)
+    write_text(os.path.join(d, "config.json"), json.dumps(config, indent=1, sort_keys=True) + "\n", 0o600)
 
 
 def _boot_id():
@@ -128,7 +130,7 @@ class Service:
     def __init__(self, workdir):
         self.workdir = os.path.abspath(os.path.expanduser(workdir))
         self.dir = state_dir(workdir)
-        self.config = _read_json(os.path.join(self.dir, "config.json"))
+        self.config = read_json(os.path.join(self.dir, "config.json"))
         if not self.config:
             raise ServiceError("no service is configured on this host (%s/config.json); give the host a "
                                "'service' in the inventory" % self.dir)
@@ -140,17 +142,17 @@ class Service:
     # -- the draft ------------------------------------------------------------------------------
     def draft(self):
         """The draft the server runs with ({deploy_id, run_id, checkpoint, k}), or None."""
-        return _read_json(os.path.join(self.dir, "draft.json"))
+        return read_json(os.path.join(self.dir, "draft.json"))
 
     def set_draft(self, draft):
         """Record the draft the server is to run with (None: none), atomically, in both forms."""
         spec = json.dumps(speculative_config(draft), separators=(",", ":")) if draft else ""
-        _write(os.path.join(self.dir, "draft.env"),
+        write_text(os.path.join(self.dir, "draft.env"),
                "# written by eagle-harness deploys: the draft the production server runs with (empty: none)\n"
                "SPECULATIVE_CONFIG=%s\n" % (shlex.quote(spec) if spec else ""))
         path = os.path.join(self.dir, "draft.json")
         if draft:
-            _write(path, json.dumps(draft, indent=1, sort_keys=True) + "\n")
+            write_text(path, json.dumps(draft, indent=1, sort_keys=True) + "\n")
         elif os.path.exists(path):
             os.remove(path)
 
@@ -161,7 +163,7 @@ class Service:
             self._child = None
 
     def _pid_record(self):
-        rec = _read_json(self.pidfile)
+        rec = read_json(self.pidfile)
         if not rec or rec.get("boot_id") != _boot_id() or _proc_start(rec.get("pid")) != str(rec.get("pid_start")):
             return None
         return rec
@@ -208,7 +210,7 @@ class Service:
                     cwd=code_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                     close_fds=True)
             self._child = proc  # reaped by running()/wait_healthy when it exits under this process
-            _write(self.pidfile, json.dumps({"pid": proc.pid, "pid_start": _proc_start(proc.pid),
+            write_text(self.pidfile, json.dumps({"pid": proc.pid, "pid_start": _proc_start(proc.pid),
                                              "boot_id": _boot_id(), "started_ts": time.time(),
                                              "draft": self.draft()}) + "\n")
             return {"started": True, "pid": proc.pid}
@@ -311,7 +313,7 @@ class Service:
             out["last_error"] = self.last_error()
         draft = self.draft()
         if draft:  # the deploy that installed it; "switching" with no job left means it was interrupted
-            rec = _read_json(os.path.join(self.workdir, "deploys", draft.get("deploy_id", "?"), "deploy.json")) or {}
+            rec = read_json(os.path.join(self.workdir, "deploys", draft.get("deploy_id", "?"), "deploy.json")) or {}
             out["deploy"] = {k: rec.get(k) for k in ("deploy_id", "run_id", "state", "started_at", "ended_at")}
             out["deploy"]["acceptance_length"] = (rec.get("measurement") or {}).get("acceptance_length")
         out["history"] = self.history(5)
