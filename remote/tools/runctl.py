@@ -332,14 +332,18 @@ def launch(spec):
         if st["state"] in ACTIVE:
             return {"launched": False, "reason": "already %s" % st["state"], "status": st}
     preflight(spec, rdir)  # before anything is written on the host, before the wrapper stops a service
-    # inputs: {stage: run id} -> that run's artifacts directory, which must exist
+    # inputs: {stage: run id, or a list of them (the shards of a sharded stage)} -> that run's
+    # artifacts directory (a list of them), which must exist
     inputs = {}
-    for stage, rid in (spec.get("inputs") or {}).items():
-        path = os.path.join(run_dir(spec, rid), "artifacts")
-        if not os.path.isdir(path):
-            raise Refused("input %s: run %s has no artifacts on this host (%s); run that stage first"
-                          % (stage, rid, path))
-        inputs[stage] = path
+    for stage, rids in (spec.get("inputs") or {}).items():
+        paths = []
+        for rid in rids if isinstance(rids, list) else [rids]:
+            path = os.path.join(run_dir(spec, rid), "artifacts")
+            if not os.path.isdir(path):
+                raise Refused("input %s: run %s has no artifacts on this host (%s); run that stage first"
+                              % (stage, rid, path))
+            paths.append(path)
+        inputs[stage] = paths if isinstance(rids, list) else paths[0]
     code_dir, uploaded = ensure_code(spec)
     if code_dir is None:
         return {"launched": False, "need_code": True}
@@ -626,7 +630,93 @@ def secret_names(rdir):
     return []
 
 
-ACTIONS = {"launch": launch, "service": service, "status": status, "list": list_runs, "logs": logs, "follow": follow,
+# ---------------------------------------------------------------------------------------------------
+# a run copied from another host
+
+def incoming_dir(spec):
+    """Where a copy of run ``run_id`` from another host lands before ``adopt`` checks it:
+    ``<workdir>/incoming/<run-id>/artifacts/`` (the artifacts and their SHA256SUMS)."""
+    run_dir(spec)  # the run id's check
+    return os.path.join(workdir(spec), "incoming", spec["run_id"])
+
+
+def incoming(spec):
+    """Ready ``incoming/<run-id>/artifacts/`` for a push; its absolute path, and whether rsync is here."""
+    import probe  # noqa: PLC0415
+
+    art = os.path.join(incoming_dir(spec), "artifacts")
+    os.makedirs(art, exist_ok=True)
+    return {"artifacts": art, "has_rsync": bool(probe.which("rsync"))}
+
+
+def sha256_of(path):
+    import hashlib  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def adopt(spec):
+    """Make the copy under ``incoming/<run-id>/`` the host's own succeeded run ``runs/<run-id>/``, after
+    checking every file against its SHA256SUMS: a run that another host made (a prepare run, an
+    extraction shard) becomes an input here exactly as if it had run here. All or nothing: a file that
+    does not match refuses the adoption by name, and the copy stays where it is for the next push to
+    resume. A run the host already has, succeeded with the same SHA256SUMS, is left as it is."""
+    rdir, inc = run_dir(spec), incoming_dir(spec)
+    art = os.path.join(inc, "artifacts")
+    sums_path = os.path.join(art, "SHA256SUMS")
+    have = read_status(rdir) if os.path.isdir(rdir) else None
+    if have and have.get("state") == "succeeded":
+        mine = os.path.join(rdir, "artifacts", "SHA256SUMS")
+        if os.path.exists(mine) and os.path.exists(sums_path) and open(mine).read() == open(sums_path).read():
+            shutil.rmtree(inc, ignore_errors=True)
+            return {"adopted": False, "reason": "already here", "status": have}
+    if have and have.get("state") in ACTIVE:
+        raise Refused("run %s is %s on this host; stop it before a copy replaces it" % (spec["run_id"], have["state"]))
+    if not os.path.exists(sums_path):
+        raise Refused("run %s: the copy has no artifacts/SHA256SUMS; push it again" % spec["run_id"])
+    with open(sums_path) as f:
+        sums = f.read()
+    files, size = 0, 0
+    for line in sums.splitlines():
+        m = re.match(r"^\\?([0-9a-f]{64}) [ *](.+)$", line)
+        if not m:
+            continue
+        rel = m.group(2)
+        p = os.path.join(art, rel)
+        if escapes(rel):
+            raise Refused("run %s: artifact name %r escapes the artifacts dir; refusing the copy" % (spec["run_id"], rel))
+        if not os.path.isfile(p):
+            raise Refused("run %s: artifact %s is listed in SHA256SUMS but missing from the copy; push it again"
+                          % (spec["run_id"], rel))
+        if sha256_of(p) != m.group(1):
+            raise Refused("run %s: artifact %s does not match SHA256SUMS in the copy; push it again"
+                          % (spec["run_id"], rel))
+        files, size = files + 1, size + os.path.getsize(p)
+    source = spec.get("source") or {}
+    st = dict(source.get("status") or {})
+    if st.get("state") != "succeeded":
+        raise Refused("run %s is %s on %s: only a succeeded run is copied" % (spec["run_id"], st.get("state"),
+                                                                             spec.get("from") or "its host"))
+    for key in ("pid", "pid_start", "stage_pid", "boot_id", "run_dir", "log_size", "result"):
+        st.pop(key, None)
+    st.update({"copied_from": spec.get("from"), "copied_ts": time.time()})
+    write_json(os.path.join(inc, "status.json"), st)
+    if source.get("result") is not None:
+        write_json(os.path.join(inc, "result.json"), source["result"])
+    if os.path.isdir(rdir):  # an earlier failed or partial run of this id: the copy replaces it
+        old = rdir + ".replaced-%d" % os.getpid()
+        os.rename(rdir, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(os.path.dirname(rdir), exist_ok=True)
+    os.rename(inc, rdir)
+    return {"adopted": True, "files": files, "bytes": size, "status": read_status(rdir)}
+
+
+ACTIONS = {"adopt": adopt, "incoming": incoming, "launch": launch, "service": service, "status": status, "list": list_runs, "logs": logs, "follow": follow,
            "stop": stop, "manifest": manifest, "last_env": last_env}
 
 
