@@ -88,15 +88,31 @@ def artifacts(spec: dict) -> Path:
     return path
 
 
-def input_dir(spec: dict, stage: str) -> Path:
-    """The artifacts dir of ``stage``'s last successful run, as the runner passed it in ``inputs``."""
-    path = (spec.get("inputs") or {}).get(stage)
-    if not path:
+def input_dirs(spec: dict, stage: str) -> list[Path]:
+    """The artifacts dirs of ``stage``'s runs, as the runner passed them in ``inputs``: one, or the
+    shards of a stage run by sample shards over several hosts (a multi-host job's extraction)."""
+    paths = (spec.get("inputs") or {}).get(stage)
+    if not paths:
         fail(spec["stage"], f"needs the output of stage {stage} (spec.inputs.{stage} is missing); run {stage} first")
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        fail(spec["stage"], f"input of stage {stage} not found: {path}; run {stage} again")
-    return path
+    out = []
+    for path in paths if isinstance(paths, list) else [paths]:
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            fail(spec["stage"], f"input of stage {stage} not found: {path}; run {stage} again")
+        out.append(path)
+    return out
+
+
+def input_dir(spec: dict, stage: str) -> Path:
+    """The artifacts dir of ``stage``'s last successful run (of its first shard, when it was sharded)."""
+    return input_dirs(spec, stage)[0]
+
+
+def cluster(spec: dict) -> dict:
+    """This node's place in a multi-host job (harness/cluster.py puts it in the run spec): ``size``
+    hosts, this one's ``rank``, and the first host's ``master_addr``/``master_port`` for torchrun's
+    rendezvous; one host alone is ``{"size": 1, "rank": 0}``."""
+    return {"size": 1, "rank": 0, **(spec.get("cluster") or {})}
 
 
 def workdir(spec: dict) -> Path:

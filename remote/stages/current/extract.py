@@ -16,6 +16,11 @@ draft, and n is always captured after them for the training targets. The checkpo
 With ``pipeline.online`` nothing is extracted here: the stage records the layers, and train asks a
 vLLM server of its own for each sample's states as it reads the sample (speculators' online mode).
 
+Sharded (a multi-host job, ``spec.cluster``): host ``rank`` of ``size`` extracts its shard of the samples,
+as speculators' own multi-node generation splits them (``--world-size``/``--rank``: contiguous chunks that
+differ by at most one sample), and checks only those; the shards together are the whole dataset, each
+with its own SHA256SUMS, and train reads them all (harness/cluster.py copies each to every node).
+
 Resumable: speculators skips the files already written and regenerates the ones that do not open;
 the stage then checks every sample's file (its header: rows equal tokens) before it succeeds, and a
 sample left without one stops the stage naming it.
@@ -86,27 +91,36 @@ def main(spec: dict) -> dict:
         return {"samples": len(dataset), "tokens": tokens, "extracted": 0, "layers": captured, "online": True,
                 "hidden_state_bytes": 0, "backend": "vllm", "seconds": timer()}
 
+    node = common.cluster(spec)
+    shard = list(range(len(dataset)))
+    if node["size"] > 1:  # this host's samples, as speculators' generate-offline-data picks them
+        from speculators.data_generation.offline import get_indices_to_process
+
+        shard = get_indices_to_process(len(dataset), None, [], node["size"], node["rank"])
+        common.log(f"shard {node['rank']} of {node['size']}: samples {shard[0]}..{shard[-1]}" if shard
+                   else f"shard {node['rank']} of {node['size']}: no samples")
     # what a rerun finds: speculators skips the readable files and regenerates the rest
     before = sum(rows_of(p) is not None for p in hidden.glob("hs_*.safetensors")) if hidden.is_dir() else 0
     if before:
-        common.log(f"resuming: {before} of {len(dataset)} samples have a readable file already")
+        common.log(f"resuming: {before} of {len(shard)} samples have a readable file already")
     staging = out / ".staging"  # where vLLM writes: the same file system, so speculators' move is a rename
     with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
                     tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
                     trust_remote_code=bool(spec["model"].get("trust_remote_code")),
                     extra_args=extract_configs(captured, staging)) as server:
         def files_written():
-            common.progress(len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0, len(dataset),
+            common.progress(len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0, len(shard),
                             "samples")
 
         speculators_cli(STAGE, ["generate-offline-data", "--model", server.name, "--endpoint", f"{server.url}/v1",
                                 "--preprocessed-data", str(dataset_dir), "--output", str(hidden),
-                                "--concurrency", str(cfg.concurrency), "--validate-outputs", "--fail-on-error"],
+                                "--concurrency", str(cfg.concurrency), "--validate-outputs", "--fail-on-error",
+                                "--world-size", str(node["size"]), "--rank", str(node["rank"])],
                         progress=files_written)
 
     tokens = 0
-    for i, row in enumerate(dataset):  # never a sample short or missing
-        want, got = len(row["input_ids"]), rows_of(hidden / f"hs_{i}.safetensors")
+    for i in shard:  # never a sample of this shard short or missing
+        want, got = len(dataset[i]["input_ids"]), rows_of(hidden / f"hs_{i}.safetensors")
         if got != want:
             common.fail(STAGE, f"sample {i}: hs_{i}.safetensors has {'no readable file' if got is None else f'{got} rows'} "
                                f"for {want} tokens; run the stage again (it regenerates what is missing)")
@@ -119,15 +133,19 @@ def main(spec: dict) -> dict:
         "num_hidden_layers": n,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "samples": len(dataset),
+        "samples": len(shard),
         "tokens": tokens,
+        "dataset_samples": len(dataset),
+        "shard": {"rank": node["rank"], "size": node["size"], "first": shard[0] if shard else None,
+                  "end": shard[-1] + 1 if shard else None},
         "backend": "vllm",
         "dtype": "bfloat16",
         "format": "speculators 0.5+ hidden states (hidden_states/hs_{i}.safetensors)",
     }
     common.write_json(out / "extract.json", meta)
     hidden_bytes = tokens * len(captured) * config.hidden_size * 2
-    return {"samples": len(dataset), "tokens": tokens, "extracted": len(dataset) - before, "layers": captured,
+    return {"samples": len(shard), "tokens": tokens, "extracted": len(shard) - before, "layers": captured,
+            "shard": f"{node['rank'] + 1}/{node['size']}",
             "hidden_state_bytes": hidden_bytes, "backend": "vllm", "seconds": timer(),
             # the hidden states stay on the host unless a pull asks for them (inv pull --all)
             "intermediates": ["hidden_states/hs_*.safetensors", ".staging/*"]}

@@ -13,8 +13,12 @@ proposes that many tokens), ``pipeline.train_seq_len`` tokens per packed batch, 
 training (the rest for its validation pass).
 
 Devices: one process on the CPU or a GPU, in this process (its metrics logged on ``speculators.metrics``
-become metrics.json and loss.png); with ``pipeline.gpus`` > 1, ``torchrun -m speculators.train`` with the
-same arguments. On a CPU host the 0.9.0 patch series must be applied (its Trainer assumes an
+become metrics.json and loss.png); with ``pipeline.gpus`` > 1, or on several hosts as one job
+(``spec.cluster``, set by harness/cluster.py), torchrun runs the same trainer on every rank
+(stages/lib/trainworker.py, whose rank 0 hands back the metrics): ``--nnodes`` hosts, this one's
+``--node-rank``, rendezvous on the first host's ``master_addr:master_port``; NCCL between GPUs, gloo
+between CPU nodes. Only the first host writes the checkpoint; a multi-host job reads the hidden states
+of every extraction shard (each copied to every node), through one directory of links to them. On a CPU host the 0.9.0 patch series must be applied (its Trainer assumes an
 accelerator), attention is ``sdpa`` (FlexAttention has no CPU backward) and the loss the eager one
 (the fused loss is a Triton GPU kernel): ``pipeline.draft_attn_impl`` auto picks these.
 
@@ -24,21 +28,23 @@ generate``): each sample's hidden states are generated when the loader reads it,
 so no hidden state is ever kept on disk (the stage checks that none is left).
 
 Resumable: speculators writes a checkpoint per epoch under ``checkpoints/`` and resumes from the last
-one when the run is started again.
+one when the run is started again (on one host; a multi-host job starts over, since only its first
+host holds checkpoints and every rank must resume from the same epoch).
 
 Outputs: ``checkpoint/`` (config.json + model.safetensors of the last epoch: what vLLM serves as an
 EAGLE-3 draft and speculators' ``from_pretrained`` reads), ``metrics.json``, ``loss.png``.
 """
 import contextlib
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from stages import common
 from stages.lib.trainlog import MetricsTap, plot
+from stages.lib.trainworker import train_tapped
 
 STAGE = "train"
 READS = ("prepare", "extract", "vocab")  # prepare's dataset/, extract's hidden_states/, vocab's d2t/t2d
@@ -81,12 +87,44 @@ def draft_config(spec: dict, cfg: common.Settings, path) -> None:
     path.write_text(config.to_json_string())
 
 
+def extraction(spec: dict) -> tuple[dict, list[Path]]:
+    """extract.json and the hidden-state directories: one run's, or every shard's of a multi-host
+    extraction, checked to be shards of one extraction that together hold every sample."""
+    dirs = common.input_dirs(spec, "extract")
+    metas = [json.loads((d / "extract.json").read_text()) for d in dirs]
+    meta = metas[0]
+    if len(dirs) > 1:
+        for d, m in zip(dirs, metas):
+            if m["captured_layer_ids"] != meta["captured_layer_ids"] or m.get("online"):
+                common.fail(STAGE, f"extraction shard {d.parent.name} captured layers {m['captured_layer_ids']}, "
+                                   f"{dirs[0].parent.name} {meta['captured_layer_ids']}: not shards of one extraction")
+        have = sorted(i for m in metas for i in range(m["shard"]["first"] or 0, m["shard"]["end"] or 0))
+        want = list(range(meta.get("dataset_samples", len(have))))
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            common.fail(STAGE, f"the extraction shards hold {len(have)} samples of {len(want)}"
+                               + (f" (sample {missing[0]} is in none)" if missing else " (some twice)")
+                               + "; run the multi-host job again with every host")
+        meta = {**meta, "samples": len(want), "tokens": sum(m["tokens"] for m in metas)}
+    return meta, [d / "hidden_states" for d in dirs]
+
+
+def linked_hidden_states(dirs: list[Path], where: Path) -> Path:
+    """One directory of links to every shard's ``hs_{i}.safetensors`` (what ``--hidden-states-path``
+    reads), outside the artifacts so nothing is hashed or pulled twice."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    for d in dirs:
+        for f in d.glob("hs_*.safetensors"):
+            (where / f.name).symlink_to(f.resolve())
+    return where
+
+
 def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, hidden_states: str,
                draft_config_path: str | None = None) -> list[str]:
     """speculators' own training flags for this run."""
-    extracted, vocab = common.input_dir(spec, "extract"), common.input_dir(spec, "vocab")
-    prepared = common.input_dir(spec, "prepare")
-    meta = json.loads((extracted / "extract.json").read_text())
+    vocab, prepared = common.input_dir(spec, "vocab"), common.input_dir(spec, "prepare")
+    meta, _ = extraction(spec)
     import numpy as np
 
     draft_vocab = int(np.load(vocab / "d2t.npy").shape[0])
@@ -116,32 +154,32 @@ def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, h
     return args
 
 
-def run_training(args: list[str], cfg: common.Settings, on_gpu: bool) -> MetricsTap:
-    """``speculators train`` with ``args``: in this process (its metrics tapped), or under torchrun."""
-    tap = MetricsTap(0)
-    if on_gpu and cfg.gpus > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.gpus}",
-               "-m", "speculators.train", *args]
-        if subprocess.run(cmd).returncode != 0:
-            common.fail(STAGE, f"torchrun over {cfg.gpus} GPUs failed; its error is in the log above")
-        return tap
-    from speculators.train.cli import main as speculators_train
-    from speculators.train.config import TrainConfig
+def torchrun_argv(cfg: common.Settings, on_gpu: bool, node: dict) -> list[str]:
+    """torchrun's own flags: this host's processes (its GPUs, or one on a CPU) and, on several hosts,
+    the job's shape and its rendezvous on the first host (a static one: every node knows its rank)."""
+    nproc = cfg.gpus if on_gpu else 1
+    if node["size"] == 1:
+        return ["--standalone", f"--nproc-per-node={nproc}"]
+    return [f"--nnodes={node['size']}", f"--node-rank={node['rank']}", f"--master-addr={node['master_addr']}",
+            f"--master-port={node['master_port']}", f"--nproc-per-node={nproc}"]
 
-    # speculators' own logging setup replaces the handlers of its loggers (dictConfig) and gives the
-    # root logger a rich console handler only when it has none: so the tap, and a plain handler for
-    # the other log lines, go on the root logger first (the metric dicts propagate up to it)
-    root = logging.getLogger()
-    lines = logging.StreamHandler(sys.stdout)
-    lines.addFilter(lambda record: not record.name.startswith("speculators.metrics"))
-    root.setLevel(logging.INFO)
-    for handler in (tap, lines):
-        root.addHandler(handler)
-    try:
-        speculators_train(TrainConfig.resolve(args))
-    finally:
-        for handler in (tap, lines):
-            root.removeHandler(handler)
+
+def run_training(args: list[str], cfg: common.Settings, on_gpu: bool, node: dict, metrics_path: Path) -> MetricsTap:
+    """``speculators train`` with ``args``: in this process, or under torchrun (several GPUs, or hosts);
+    either way its metrics tapped (under torchrun, rank 0's, handed back through ``metrics_path``)."""
+    if not ((on_gpu and cfg.gpus > 1) or node["size"] > 1):
+        return train_tapped(args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(cfg, on_gpu, node),
+           "-m", "stages.lib.trainworker", str(metrics_path), *args]
+    common.log(" ".join(cmd[2:cmd.index("stages.lib.trainworker") + 1]))
+    if subprocess.run(cmd).returncode != 0:
+        where = f"host {node['rank'] + 1} of {node['size']}" if node["size"] > 1 else f"{cfg.gpus} GPUs"
+        common.fail(STAGE, f"torchrun ({where}) failed; its error is in the log above")
+    tap = MetricsTap(0)
+    if metrics_path.exists():  # rank 0's host
+        got = json.loads(metrics_path.read_text())
+        tap.train, tap.val = got["train"], got["val"]
+        metrics_path.unlink()
     return tap
 
 
@@ -151,14 +189,19 @@ def main(spec: dict) -> dict:
     dev = common.device(cfg)
     on_gpu = dev.startswith("cuda")
     out = common.artifacts(spec)
+    node = common.cluster(spec)
     save_path = str(out / "checkpoints")  # one directory per epoch; a rerun resumes from the last
+    if node["size"] > 1:  # ...except a multi-host job, whose ranks must all start from one epoch
+        shutil.rmtree(save_path, ignore_errors=True)
     extracted = common.input_dir(spec, "extract")
     if cfg.online:  # an empty directory: every sample is missing, so the loader asks the server for it
         hidden_states = out / "online"
         shutil.rmtree(hidden_states, ignore_errors=True)
         hidden_states.mkdir()
     else:
-        hidden_states = extracted / "hidden_states"
+        _, shards = extraction(spec)
+        hidden_states = shards[0] if len(shards) == 1 else linked_hidden_states(
+            shards, Path(spec["run_dir"]) / "hidden_states")
     config_path = None
     if cfg.draft_intermediate_size:
         config_path = out / "draft_config.json"
@@ -177,13 +220,16 @@ def main(spec: dict) -> dict:
             # speculators' online mode: a missing sample is generated through the endpoint, loaded, discarded
             args += ["--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate"]
         common.log("speculators train " + " ".join(args))
-        tap = run_training(args, cfg, on_gpu)
+        tap = run_training(args, cfg, on_gpu, node, out / ".rank0-metrics.json")
     if cfg.online:
         left = [*hidden_states.glob("*.safetensors"), *(out / ".staging").glob("**/*.safetensors")]
         if left:
             common.fail(STAGE, f"online training left {len(left)} hidden-state files behind ({left[0]}); "
                                "speculators discards each once loaded")
 
+    if node["rank"] > 0:  # the first host saves the checkpoint; this one trained its share of every step
+        return {"node_rank": node["rank"], "nodes": node["size"], "seconds": timer(),
+                "intermediates": ["checkpoints/*"]}
     epochs = sorted((p for p in os.scandir(save_path) if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     if not epochs:
         common.fail(STAGE, f"speculators train wrote no checkpoint under {save_path}; see the log above")
@@ -205,7 +251,7 @@ def main(spec: dict) -> dict:
     return {"epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
             "full_acc_0": last.get("full_acc_0"), "val_loss": val.get("loss_epoch"),
             "val_full_acc_0": val.get("full_acc_0_epoch"), "val_full_acc_1": val.get("full_acc_1_epoch"),
-            "val_full_acc_2": val.get("full_acc_2_epoch"), "seconds": timer(),
+            "val_full_acc_2": val.get("full_acc_2_epoch"), "nodes": node["size"], "seconds": timer(),
             # per-epoch checkpoints with optimizer states: large, not part of the model
             "intermediates": ["checkpoints/*"]}
 
