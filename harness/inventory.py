@@ -258,8 +258,21 @@ class PipelineSpec(_Strict):
 HostSpec.model_rebuild()
 
 
+class ClusterSpec(_Strict):
+    """Several hosts that run one EAGLE-3 job together (``inv pipeline --cluster NAME``,
+    harness/cluster.py): extraction sharded over them, training as one torchrun job."""
+
+    #: the hosts, in rank order: the first prepares, holds the rendezvous and writes the checkpoint
+    hosts: list[str] = Field(min_length=2)
+    #: where the other hosts reach the first for torchrun's rendezvous; unset: its inventory address
+    master_addr: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.:-]*$")
+    master_port: int = Field(default=29500, ge=1, le=65535)
+
+
 class Inventory(_Strict):
     hosts: dict[str, HostSpec]
+    #: named groups of hosts that run one job together (harness/cluster.py)
+    clusters: dict[str, ClusterSpec] = Field(default_factory=dict)
     model: ModelSpec | None = None
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
     #: names of workstation environment variables passed through to hosts (values never stored here)
@@ -273,6 +286,12 @@ class Inventory(_Strict):
     def _name_hosts(self) -> "Inventory":
         for name, host in self.hosts.items():
             host.name = name
+        for name, cluster in self.clusters.items():
+            for h in cluster.hosts:
+                if h not in self.hosts:
+                    raise ValueError(f"clusters.{name}.hosts: unknown host {h!r}; known: {', '.join(self.hosts)}")
+            if len(set(cluster.hosts)) != len(cluster.hosts):
+                raise ValueError(f"clusters.{name}.hosts: a host is listed twice; each host is one node")
         return self
 
     def pipeline_for(self, host: str) -> PipelineSpec:

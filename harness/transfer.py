@@ -23,7 +23,7 @@ from typing import Callable
 
 from harness.connection import HostConnection
 from harness.errors import HarnessError
-from harness.pull import _ssh_e, pull
+from harness.pull import rsync_ssh_command, pull
 from harness import runs
 from harness.runs import check_run_id, local_runs_dir, runctl
 
@@ -70,7 +70,7 @@ def _push(conn: HostConnection, local: Path, names: list[str], remote_artifacts:
                            "(apt install rsync) there and here")
     with tempfile.TemporaryDirectory(prefix="harness-push-") as tmp:
         argv = ["rsync", "-s", "--partial", "--no-compress", "--times", "--files-from=-",
-                "-e", _ssh_e(conn, str(Path(tmp) / "known_hosts")),
+                "-e", rsync_ssh_command(conn, str(Path(tmp) / "known_hosts")),
                 str(local) + "/", f"{conn.ssh_target}:{remote_artifacts.rstrip('/')}/"]
         proc = subprocess.run(argv, input="".join(n + "\n" for n in names).encode(), capture_output=True)
     if proc.returncode != 0:

@@ -11,16 +11,27 @@ from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, emit_j
                           "no_patch": "do not apply the patch set first",
                           "plan": "change nothing: per host, the stages that would run, the target's shape, the "
                                   "hidden states' size against the free space, the GPUs, a verdict (exit 1: "
-                                  "does not fit)"})
+                                  "does not fit)",
+                          "cluster": "run one job over the inventory's cluster NAME (clusters: in inventory.yaml): "
+                                     "extraction sharded over its hosts, training as one torchrun job"})
 @clean_errors
 def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False,
-             plan=False):
+             plan=False, cluster=None):
     """Patch if needed, then prepare -> extract -> vocab -> train -> evaluate, skipping unchanged stages."""
     from harness import pipeline as _pipeline
     from harness.parallel import on_hosts, with_connection
 
     inv, selected = load(inventory, hosts)
     stages = _pipeline.select_stages(from_, to)  # bad stage names fail before any connection
+    if cluster is not None:
+        from harness.cluster import cluster_of
+        from harness.errors import HarnessError
+
+        if hosts:
+            raise HarnessError("--cluster and --hosts: a cluster names its own hosts; give one of the two")
+        _, selected = cluster_of(inv, cluster)
+        if not plan:
+            return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json)
     if plan:
         return show_plans(inv, selected, stages, json)
     out = HostOutput(enabled=not json)
@@ -41,18 +52,44 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
     finish(results)
 
 
+def run_cluster(inv, name, start, stop, pull, patch, json):
+    """``--cluster``: one job over the cluster's hosts (harness/cluster.py), its stages in one table."""
+    import contextlib
+
+    from harness.cluster import cluster_of, run_cluster_pipeline
+    from harness.connection import open_host
+
+    _, hosts = cluster_of(inv, name)
+    out = HostOutput(enabled=not json)
+
+    def line(host: str, text: str) -> None:
+        if not text.startswith("@@progress"):
+            out.line(host, text, "dim")
+
+    with contextlib.ExitStack() as stack:
+        conns = [stack.enter_context(open_host(h, inv)) for h in hosts]
+        job = run_cluster_pipeline(conns, inv, name, start=start, stop=stop, pull=pull, patch=patch,
+                                   say=out.for_host(name), on_line=line)
+    if json:
+        emit_json(job.as_dict())
+    else:
+        print_wide(summary_table(f"cluster {name} ({', '.join(job.hosts)})", job.stages))
+
+
 def summary_table(host: str, runs):
     """Per stage: time, samples, tokens, loss, acceptance length, where the artifacts are."""
     from rich.table import Table
 
     t = Table(title=f"pipeline on {host}", title_justify="left", header_style="bold")
-    for col in ("stage", "run", "state", "time", "samples", "tokens", "loss", "acceptance", "artifacts"):
+    many = len({o.host for o in runs}) > 1
+    for col in ("stage", *(("host",) if many else ()), "run", "state", "time", "samples", "tokens", "loss",
+                "acceptance", "artifacts"):
         t.add_column(col, justify="right" if col in ("time", "samples", "tokens", "loss", "acceptance") else "left")
     for o in runs:
         r = o.result
         loss = r.get("loss", r.get("final_loss"))
         acc = r.get("acceptance_length")
-        t.add_row(o.stage, o.run_id, o.state, f"{o.seconds:.1f}s",
+        t.add_row(o.stage, *((o.host,) if many else ()), o.run_id, o.state, f"{o.seconds:.1f}s",
                   str(r.get("samples", "")), str(r.get("tokens", "")),
                   f"{loss:.3f}" if isinstance(loss, (int, float)) else "",
                   f"{acc:.2f}" if isinstance(acc, (int, float)) else "", o.pulled or "")

