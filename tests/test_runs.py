@@ -229,6 +229,31 @@ def test_killed_wrapper_reads_as_lost_and_can_be_relaunched(host, tmp_path):
     runs.stop(conn, "k1", grace=2)
 
 
+def test_a_reboot_or_a_reused_pid_reads_as_lost(host, tmp_path):
+    """A run that claims to be running is believed only while its wrapper is the very process that
+    started it: same boot (boot id) and same process (pid and its start time). After a reboot, or
+    when the pid now belongs to another process, it reads as lost; the control, a live process whose
+    record matches, reads as running."""
+    import os
+
+    inv, connect, _ = host
+    conn = connect()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    me = os.getpid()  # a live process on the host (loopback): the test itself
+    start = Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    records = {"matching": {"boot_id": boot, "pid_start": start},
+               "rebooted": {"boot_id": "0" * 8 + boot[8:], "pid_start": start},
+               "reused": {"boot_id": boot, "pid_start": str(int(start) + 1)}}
+    for rid, rec in records.items():
+        run = tmp_path / "wd" / "runs" / rid
+        run.mkdir(parents=True)
+        (run / "status.json").write_text(json.dumps({"run_id": rid, "state": "running", "pid": me, **rec}))
+    assert runs.status(conn, "matching")["state"] == "running"
+    for rid in ("rebooted", "reused"):
+        st = runs.status(conn, rid)
+        assert st["state"] == "lost" and "wrapper is gone" in st["error"], st
+
+
 def test_every_stage_module_is_a_task():
     r = run_inv("-l")
     assert r.returncode == 0, r.stderr
