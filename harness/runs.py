@@ -114,6 +114,8 @@ class Launch:
     code_uploaded: bool = False
     round_trips: int = 0
     secrets: list[str] = field(default_factory=list, repr=False)
+    #: how the wrapper was detached from the SSH session: ``systemd-run`` (the user's manager) or ``setsid``
+    detach: str = ""
 
 
 def service_commands(host: HostSpec, code_dir: str) -> dict[str, str | None]:
@@ -204,7 +206,7 @@ def launch(conn: HostConnection, inv: Inventory | None, stage: str, *, run_id: s
     st = res.get("status") or {}
     return Launch(host=host.name, run_id=run_id, launched=bool(res.get("launched")), status=st,
                   reason=res.get("reason", ""), code_uploaded=bool(res.get("code_uploaded")),
-                  round_trips=conn.round_trips - before, secrets=list(envf.secrets))
+                  round_trips=conn.round_trips - before, secrets=list(envf.secrets), detach=res.get("detach", ""))
 
 
 # ---------------------------------------------------------------------------------------------------

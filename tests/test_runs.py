@@ -218,8 +218,13 @@ def test_killed_wrapper_reads_as_lost_and_can_be_relaunched(host, tmp_path):
     import signal
     inv, connect, code = host
     conn = connect()
-    runs.launch(conn, inv, "teststage", run_id="k1", extra={"sleep": 60}, code_root=code, environ=ENV)
+    h = runs.launch(conn, inv, "teststage", run_id="k1", extra={"sleep": 60}, code_root=code, environ=ENV)
     st = wait_for(lambda: (s := runs.status(conn, "k1"))["stage_pid"] and s)
+    # the launcher that ran says so, and either way the wrapper leads a session of its own (no SIGHUP
+    # reaches it when the SSH session that launched it ends)
+    assert h.detach in ("setsid", "systemd-run")
+    session = int(Path(f"/proc/{st['pid']}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    assert session == st["pid"], (session, st["pid"])
     os.kill(st["pid"], signal.SIGKILL)  # as a host crash would: no chance to record anything
     os.killpg(st["stage_pid"], signal.SIGKILL)
     st = wait_for(lambda: (s := runs.status(conn, "k1"))["state"] == "lost" and s)
