@@ -34,6 +34,7 @@ from harness.connection import HostConnection
 from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
 from harness.inventory import ClusterSpec, HostSpec, Inventory
+from harness.pull import pull as pull_run
 from harness.runner import StageRun
 
 # where each stage runs: "first" host, "sharded" over all, or "all" as one job
@@ -229,8 +230,6 @@ def run_cluster_pipeline(conns: list[HostConnection], inv: Inventory, name: str,
                 r = StageRun(c.name, stage, rid, ran=any(l.ran for l in launched), status=st,
                              result=st.get("result") or {})
                 if rank == 0 and pull:
-                    from harness.pull import pull as pull_run
-
                     res = pull_run(c, rid, dest=(dest_root / rid) if dest_root else None)
                     r.pulled, r.result = str(res.dest), res.result or {}
                 out.stages.append(r)

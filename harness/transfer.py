@@ -24,7 +24,6 @@ from typing import Callable
 from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.pull import rsync_ssh_command, pull
-from harness import runs
 from harness.runs import check_run_id, local_runs_dir, runctl
 
 
@@ -45,14 +44,15 @@ class Copied:
                 "files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 1)}
 
 
-def sums_files(sums: str) -> list[str]:
-    """The artifact names a SHA256SUMS lists."""
-    names = []
-    for line in sums.splitlines():
-        parts = line.split(" ", 1)
-        if len(parts) == 2 and len(parts[0].lstrip("\\")) == 64:
-            names.append(parts[1].lstrip(" *"))
-    return names
+def succeeded_sums(conn: HostConnection, run_id: str) -> str | None:
+    """The SHA256SUMS of run ``run_id`` on ``conn``'s host when it succeeded there, else None."""
+    try:
+        man = runctl(conn, "manifest", run_id=run_id)
+    except HarnessError as e:
+        if e.kind == "no_run":
+            return None
+        raise
+    return man["sums"] if man["status"].get("state") == "succeeded" else None
 
 
 def _push(conn: HostConnection, local: Path, names: list[str], remote_artifacts: str, has_rsync: bool) -> None:
@@ -86,15 +86,14 @@ def copy_run(src: HostConnection, dests: list[HostConnection], run_id: str,
     check_run_id(run_id)
     t0 = time.monotonic()
     out = Copied(run_id, src.name)
-    st = runs.status(src, run_id)
+    man = runctl(src, "manifest", run_id=run_id)
+    st = man["status"]
     if st.get("state") != "succeeded":
         raise HarnessError(f"host {src.name}: run {run_id} is {st.get('state')}; only a succeeded run is copied to "
                            "other hosts")
-    src_sums = runctl(src, "manifest", run_id=run_id).get("sums")
     todo = []
     for dst in dests:  # hosts that already hold this exact run need nothing
-        if (runs.status(dst, run_id, missing_ok=True).get("state") == "succeeded"
-                and runctl(dst, "manifest", run_id=run_id).get("sums") == src_sums):
+        if man["sums"] is not None and succeeded_sums(dst, run_id) == man["sums"]:
             out.already.append(dst.name)
         else:
             todo.append(dst)
@@ -103,7 +102,7 @@ def copy_run(src: HostConnection, dests: list[HostConnection], run_id: str,
         return out
     relay = local_runs_dir() / ".relay" / run_id
     got = pull(src, run_id, dest=relay, include_all=True, on_progress=on_progress)
-    names = sums_files((relay / "SHA256SUMS").read_text())
+    names = got.files  # every file SHA256SUMS lists (include_all), each verified by the pull
     source = {"status": st, "result": got.result}
     for dst in todo:
         where = runctl(dst, "incoming", run_id=run_id)

@@ -579,6 +579,20 @@ def escapes(name):
     return name.startswith("/") or ".." in name.split("/")
 
 
+def sums_entries(sums, run_id, refusing):
+    """(sha256, name) of each entry of a SHA256SUMS text; a name that would leave the artifacts dir
+    is refused (``refusing``: what is refused, e.g. "to pull")."""
+    entries = []
+    for line in sums.splitlines():
+        m = re.match(r"^\\?([0-9a-f]{64}) [ *](.+)$", line)
+        if m:
+            if escapes(m.group(2)):
+                raise Refused("run %s: artifact name %r escapes the artifacts dir; refusing %s"
+                              % (run_id, m.group(2), refusing))
+            entries.append((m.group(1), m.group(2)))
+    return entries
+
+
 def manifest(spec):
     import probe  # noqa: PLC0415 - every host fact comes from the probe (shipped with runctl)
 
@@ -591,14 +605,9 @@ def manifest(spec):
     if os.path.exists(sums_path):
         with open(sums_path) as f:
             sums = f.read()
-        for line in sums.splitlines():
-            m = re.match(r"^\\?([0-9a-f]{64}) [ *](.+)$", line)
-            if m:
-                if escapes(m.group(2)):
-                    raise Refused("run %s: artifact name %r escapes the artifacts dir; refusing to pull"
-                                  % (spec["run_id"], m.group(2)))
-                p = os.path.join(art, m.group(2))
-                files[m.group(2)] = {"sha256": m.group(1), "size": os.path.getsize(p) if os.path.exists(p) else None}
+        for sha, rel in sums_entries(sums, spec["run_id"], "to pull"):
+            p = os.path.join(art, rel)
+            files[rel] = {"sha256": sha, "size": os.path.getsize(p) if os.path.exists(p) else None}
     return {"run_dir": rdir, "artifacts": art, "status": st, "sums": sums, "files": files,
             "result": read_json(os.path.join(rdir, "result.json")), "has_rsync": bool(probe.which("rsync"))}
 
@@ -671,7 +680,7 @@ def adopt(spec):
     have = read_status(rdir) if os.path.isdir(rdir) else None
     if have and have.get("state") == "succeeded":
         mine = os.path.join(rdir, "artifacts", "SHA256SUMS")
-        if os.path.exists(mine) and os.path.exists(sums_path) and open(mine).read() == open(sums_path).read():
+        if os.path.exists(mine) and os.path.exists(sums_path) and sha256_of(mine) == sha256_of(sums_path):
             shutil.rmtree(inc, ignore_errors=True)
             return {"adopted": False, "reason": "already here", "status": have}
     if have and have.get("state") in ACTIVE:
@@ -681,18 +690,12 @@ def adopt(spec):
     with open(sums_path) as f:
         sums = f.read()
     files, size = 0, 0
-    for line in sums.splitlines():
-        m = re.match(r"^\\?([0-9a-f]{64}) [ *](.+)$", line)
-        if not m:
-            continue
-        rel = m.group(2)
+    for sha, rel in sums_entries(sums, spec["run_id"], "the copy"):
         p = os.path.join(art, rel)
-        if escapes(rel):
-            raise Refused("run %s: artifact name %r escapes the artifacts dir; refusing the copy" % (spec["run_id"], rel))
         if not os.path.isfile(p):
             raise Refused("run %s: artifact %s is listed in SHA256SUMS but missing from the copy; push it again"
                           % (spec["run_id"], rel))
-        if sha256_of(p) != m.group(1):
+        if sha256_of(p) != sha:
             raise Refused("run %s: artifact %s does not match SHA256SUMS in the copy; push it again"
                           % (spec["run_id"], rel))
         files, size = files + 1, size + os.path.getsize(p)

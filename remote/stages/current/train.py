@@ -120,11 +120,10 @@ def linked_hidden_states(dirs: list[Path], where: Path) -> Path:
     return where
 
 
-def train_args(spec: dict, cfg: common.Settings, save_path: str, on_gpu: bool, hidden_states: str,
+def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_gpu: bool, hidden_states: str,
                draft_config_path: str | None = None) -> list[str]:
-    """speculators' own training flags for this run."""
+    """speculators' own training flags for this run (``meta``: the extraction's, see ``extraction``)."""
     vocab, prepared = common.input_dir(spec, "vocab"), common.input_dir(spec, "prepare")
-    meta, _ = extraction(spec)
     import numpy as np
 
     draft_vocab = int(np.load(vocab / "d2t.npy").shape[0])
@@ -193,30 +192,28 @@ def main(spec: dict) -> dict:
     save_path = str(out / "checkpoints")  # one directory per epoch; a rerun resumes from the last
     if node["size"] > 1:  # ...except a multi-host job, whose ranks must all start from one epoch
         shutil.rmtree(save_path, ignore_errors=True)
-    extracted = common.input_dir(spec, "extract")
+    meta, shards = extraction(spec)
     if cfg.online:  # an empty directory: every sample is missing, so the loader asks the server for it
         hidden_states = out / "online"
         shutil.rmtree(hidden_states, ignore_errors=True)
         hidden_states.mkdir()
     else:
-        _, shards = extraction(spec)
         hidden_states = shards[0] if len(shards) == 1 else linked_hidden_states(
             shards, Path(spec["run_dir"]) / "hidden_states")
     config_path = None
     if cfg.draft_intermediate_size:
         config_path = out / "draft_config.json"
         draft_config(spec, cfg, config_path)
-    args = train_args(spec, cfg, save_path, on_gpu, str(hidden_states), config_path and str(config_path))
+    args = train_args(spec, cfg, meta, save_path, on_gpu, str(hidden_states), config_path and str(config_path))
     with contextlib.ExitStack() as stack:
         if cfg.online:
             from stages.lib.vllm_server import VllmServer, extract_configs
 
-            captured = json.loads((extracted / "extract.json").read_text())["captured_layer_ids"]
             server = stack.enter_context(VllmServer(
                 STAGE, common.model_dir(spec), log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
                 tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 trust_remote_code=bool(spec["model"].get("trust_remote_code")),
-                extra_args=extract_configs(captured, out / ".staging")))
+                extra_args=extract_configs(meta["captured_layer_ids"], out / ".staging")))
             # speculators' online mode: a missing sample is generated through the endpoint, loaded, discarded
             args += ["--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate"]
         common.log("speculators train " + " ".join(args))
