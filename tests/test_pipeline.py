@@ -340,7 +340,7 @@ def test_stage_inputs_match_what_stages_open():
 
     for generation, stage in ((g, s) for g in GENERATIONS for s in pipeline.ORDER):
         src = (REMOTE_DIR / "stages" / generation / f"{stage}.py").read_text()
-        opened = set(re.findall(r"input_dir\(spec, \"(\w+)\"\)", src))
+        opened = set(re.findall(r"input_dirs?\(spec, \"(\w+)\"\)", src))
         assert opened == set(pipeline.contracts(generation).reads[stage]), (generation, stage, opened)
 
 
