@@ -44,7 +44,6 @@ from patchstate import (
     status,
 )
 
-TEST_HOOKS_ENV = "EAGLE_HARNESS_TEST_HOOKS"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,19 +246,11 @@ class Lock:
         os.close(self.fd)
 
 
-def _hook(spec: dict, name: str) -> None:
-    """Test-only pauses (to cut the SSH link at a known moment); ignored unless the env var is set."""
-    if os.environ.get(TEST_HOOKS_ENV) == "1":
-        seconds = float((spec.get("test_hooks") or {}).get(name, 0))
-        if seconds:
-            time.sleep(seconds)
-
-
-def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> None:
+def _run_journal(target: Target, journal: dict) -> None:
     """Bring every file of the journal to its ``to`` content (roll forward), then finish the
     manifest step and drop the journal. Used both by a live transaction and by recovery."""
     envdir = target.envdir
-    for i, f in enumerate(journal["files"]):
+    for f in journal["files"]:
         path = Path(f["path"])
         cur = file_sha(path)
         if cur == f["to"]:
@@ -271,8 +262,6 @@ def _run_journal(target: Target, journal: dict, spec: dict | None = None) -> Non
         if sha256_hex(data) != f["to"]:
             raise Refused(f"an interrupted {journal['op']} cannot complete: staged copy of {f['rel']} is damaged")
         write_atomic(path, data, f.get("mode"))
-        if spec is not None and i == 0:
-            _hook(spec, "pause_mid_swap")
     manifest = journal.get("manifest")
     if manifest is None:
         for p in (envdir / "manifest.json",):
@@ -299,7 +288,7 @@ def recover(target: Target) -> str | None:
     return f"completed an interrupted {journal['op']} ({journal['txid']}){also}"
 
 
-def _transact(target: Target, op: str, changes: list[dict], manifest: dict | None, spec: dict) -> None:
+def _transact(target: Target, op: str, changes: list[dict], manifest: dict | None) -> None:
     """Stage ``changes`` ([{rel, from, to, data}]), journal them, swap them in; all or nothing."""
     envdir = target.envdir
     for c in changes:
@@ -316,15 +305,16 @@ def _transact(target: Target, op: str, changes: list[dict], manifest: dict | Non
         files.append({"rel": c["rel"], "path": str(path), "from": c["from"], "to": c["to"],
                       "staged": str(staged), "mode": os.stat(path).st_mode & 0o7777})
     journal = {"op": op, "txid": txid, "files": files, "manifest": manifest}
-    _hook(spec, "pause_before_swap")
     write_atomic(envdir / "journal.json", json.dumps(journal, indent=2).encode())
     originals = {f["rel"]: Path(f["path"]).read_bytes() for f in files}
     try:
-        _run_journal(target, journal, spec)
+        _run_journal(target, journal)
     except Exception:
-        # a live failure (not a crash): put every file back, drop the journal
+        # a live failure (not a crash): put back every file this swap changed (the one that failed to
+        # be replaced, by a full disk or an immutable file, still has its old bytes), drop the journal
         for f in files:
-            write_atomic(Path(f["path"]), originals[f["rel"]], f["mode"])
+            if file_sha(Path(f["path"])) != f["from"]:
+                write_atomic(Path(f["path"]), originals[f["rel"]], f["mode"])
         (envdir / "journal.json").unlink(missing_ok=True)
         shutil.rmtree(envdir / "tx", ignore_errors=True)
         raise
@@ -509,23 +499,16 @@ def _prepare_apply(target: Target) -> dict:
     return prep
 
 
-def _fail_hook(spec: dict, target: Target) -> None:
-    """Test-only: a live failure in this package's swap (a full disk, say), to prove the call
-    undoes the packages it already changed. Ignored unless the test env var is set."""
-    if os.environ.get(TEST_HOOKS_ENV) == "1" and (spec.get("test_hooks") or {}).get("fail_swap_of") == target.package:
-        raise OSError(f"test hook: the swap of {target.package}'s files failed")
-
-
-def _undo(target: Target, prep: dict, spec: dict) -> None:
+def _undo(target: Target, prep: dict) -> None:
     """Take back what this call's transaction did to one package: its files to the bytes they had
     before, its backups and manifest as they were (a journaled transaction of its own)."""
     for rel, data in (prep.get("restore_backups") or {}).items():
         write_atomic(target.envdir / "backup" / rel, data)
     back = [{"rel": c["rel"], "from": c["to"], "to": c["from"], "data": c["before"]} for c in prep["changes"]]
-    _transact(target, "undo", back, prep["old_manifest"], {})
+    _transact(target, "undo", back, prep["old_manifest"])
 
 
-def _commit(targets: list[Target], preps: dict[str, dict], op: str, spec: dict, primary: Target,
+def _commit(targets: list[Target], preps: dict[str, dict], op: str, primary: Target,
             write: Callable[[Target, dict], None]) -> None:
     """Run each package's transaction in order; when one fails, undo those this call already
     changed, so that the call stays all or nothing for the host."""
@@ -536,14 +519,13 @@ def _commit(targets: list[Target], preps: dict[str, dict], op: str, spec: dict, 
             continue
         try:
             write(t, prep)
-            _fail_hook(spec, t)
-            _transact(t, op, prep["changes"], prep["manifest"], spec)
+            _transact(t, op, prep["changes"], prep["manifest"])
         except Exception as e:  # noqa: BLE001 - a live failure: any of them is reported in one line
             why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
             undone, broken = [], []
             for d in reversed(done):
                 try:
-                    _undo(d, preps[d.package], spec)
+                    _undo(d, preps[d.package])
                     undone.append(d.label)
                 except Exception as e2:  # noqa: BLE001
                     broken.append(f"{d.label} ({e2})")
@@ -574,7 +556,7 @@ def apply(spec: dict) -> dict:
             for rel, data in prep["backups"].items():
                 write_atomic(t.envdir / "backup" / rel, data)
 
-        _commit(targets, preps, "apply", spec, primary, write_backups)
+        _commit(targets, preps, "apply", primary, write_backups)
     results = {}
     for t in targets:
         prep = preps[t.package]
@@ -703,7 +685,7 @@ def rollback(spec: dict) -> dict:
                             results[t.package] = _reinstall(t, spec)
                         else:
                             if prep["changes"]:
-                                _transact(t, "rollback", prep["changes"], None, spec)
+                                _transact(t, "rollback", prep["changes"], None)
                             results[t.package] = _rollback_result(t, prep, recovered[t.package])
                 except Exception as e:  # noqa: BLE001 - reported in one line
                     why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
@@ -721,7 +703,7 @@ def rollback(spec: dict) -> dict:
             except Refused as e:
                 later = "; no package on this host was changed" if t is not primary else ""
                 raise Refused(_prefixed(t, primary, e) + later, e.state)
-        _commit(targets, preps, "rollback", spec, primary, lambda *_: None)
+        _commit(targets, preps, "rollback", primary, lambda *_: None)
     for t in targets:
         results[t.package] = _rollback_result(t, preps[t.package], recovered[t.package])
     return {**results[primary.package], "other_packages": _others_out(spec, results, absent)}
