@@ -3,7 +3,7 @@ files edited since install, each patch's state and the vLLM API preflight."""
 from invoke import task
 from invoke.exceptions import Exit
 
-from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, load
+from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, load, number
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -11,12 +11,18 @@ _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 @task(help=COMMON_HELP | {"strict": "exit non-zero when a host is unreachable or a check fails",
                           "workers": "hosts probed at once (default 8)"})
 @clean_errors
-def audit(c, inventory=None, hosts=None, json=False, strict=False, workers=8):
+def audit(c, inventory=None, hosts=None, json=False, strict=False, workers=None):
     """Probe each host (versions, GPUs, services, speculators files, patches) in one round trip."""
     from harness import audit as _audit
 
+    workers = number(workers, "--workers", int)
+    workers = 8 if workers is None else workers
+    if workers < 1:
+        from harness.errors import HarnessError
+
+        raise HarnessError(f"--workers {workers}: give at least 1 (hosts probed at once)")
     inv, selected = load(inventory, hosts)
-    results = _audit.run_audit(inv, selected, workers=int(workers))
+    results = _audit.run_audit(inv, selected, workers=workers)
     emit_json(_audit.as_json(results)) if json else render(results)
     bad = _audit.strict_failures(results)
     if strict and bad:

@@ -2,7 +2,7 @@
 from invoke import task
 
 from tasks._cli import (COMMON_HELP, StageView, clean_errors, console, emit_json, escape, finish, load,
-                        print_failures, print_wide)
+                        number, print_failures, print_wide)
 
 _STYLE = {"succeeded": "green", "failed": "red", "lost": "red", "stopped": "yellow"}
 
@@ -111,11 +111,17 @@ def logs(c, run, inventory=None, hosts=None, json=False, follow=False):
 
 @task(help=COMMON_HELP | {"run": "the run id", "grace": "seconds between TERM and KILL (default 10)"})
 @clean_errors
-def stop(c, run, inventory=None, hosts=None, json=False, grace=10.0):
+def stop(c, run, inventory=None, hosts=None, json=False, grace=None):
     """Stop a run's whole process group; the wrapper still restores the service."""
     from harness import runs
 
-    results = _each(inventory, hosts, lambda conn: runs.stop(conn, run, grace=float(grace)))
+    grace = number(grace, "--grace")
+    grace = 10.0 if grace is None else grace
+    if grace < 0:
+        from harness.errors import HarnessError
+
+        raise HarnessError(f"--grace {grace:g}: seconds between TERM and KILL, at least 0")
+    results = _each(inventory, hosts, lambda conn: runs.stop(conn, run, grace=grace))
     if json:
         emit_json(results.to_json())
     else:

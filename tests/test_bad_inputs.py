@@ -101,3 +101,20 @@ def test_identity_that_is_unreadable_says_so(tmp_path):
     line = one_line(r)
     assert f"{p}:4: hosts.gpu1.identity: key file {key} is not readable" in line, line
     assert "permission denied" in line and "not found" not in line
+
+
+@pytest.mark.parametrize("argv, line", [
+    (("audit", "--workers", "abc"), "error: --workers 'abc': not a whole number"),
+    (("audit", "--workers", "0"), "error: --workers 0: give at least 1"),
+    (("runs.stop", "r1", "--grace", "abc"), "error: --grace 'abc': not a number"),
+    (("runs.stop", "r1", "--grace", "-1"), "error: --grace -1: seconds between TERM and KILL, at least 0"),
+    (("service.stop", "--grace", "soon"), "error: --grace 'soon': not a number"),
+    (("deploy", "r1", "-k", "three"), "error: -k 'three': not a whole number"),
+    (("serve.metrics", "--watch", "x"), "error: --watch 'x': not a number"),
+])
+def test_a_numeric_option_given_text_is_one_line_before_any_host(tmp_path, argv, line):
+    """Checked before the inventory is read: the host here does not exist."""
+    p = tmp_path / "inventory.yaml"
+    p.write_text("hosts:\n  gpu1:\n    address: 192.0.2.1\n")
+    r = run_inv(*argv, "--inventory", str(p))
+    assert r.returncode == 2 and line in one_line(r), r.stderr
