@@ -60,6 +60,37 @@ def test_audit_several_hosts_in_parallel(sshd_hosts, tmp_path):
         assert h["round_trips"] <= 2
 
 
+def _timed_python(tmp_path: Path, name: str) -> Path:
+    """The host's python behind a wrapper that notes when each call on the host starts and ends, on a
+    slow host (a second before python starts), so that calls made at once overlap on any machine."""
+    wrapper = tmp_path / f"py-{name}"
+    marks = tmp_path / f"marks-{name}"
+    wrapper.write_text(f"#!/bin/sh\necho start $(date +%s.%N) >> {marks}\nsleep 1\n{sys.executable} \"$@\"\nrc=$?\n"
+                       f"echo end $(date +%s.%N) >> {marks}\nexit $rc\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _spans(tmp_path: Path, name: str) -> tuple[float, float]:
+    lines = [l.split() for l in (tmp_path / f"marks-{name}").read_text().splitlines()]
+    return min(float(t) for w, t in lines if w == "start"), max(float(t) for w, t in lines if w == "end")
+
+
+def test_audit_probes_hosts_at_once_and_workers_caps_it(sshd_hosts, tmp_path):
+    """The probes of three hosts overlap on the hosts' own clocks; ``--workers 1`` runs them one after
+    the other (what a user asks for on a jump host that throttles connections)."""
+    hosts = sshd_hosts(3)
+    inv = write_inventory(tmp_path, {h.name: h.entry(python=str(_timed_python(tmp_path, h.name))) for h in hosts})
+    for workers, overlap in (("3", True), ("1", False)):
+        for h in hosts:
+            (tmp_path / f"marks-{h.name}").unlink(missing_ok=True)
+        rc, data, err = audit_json(inv, "--workers", workers)
+        assert rc == 0 and all(data["hosts"][h.name]["reachable"] for h in hosts), err
+        spans = sorted(_spans(tmp_path, h.name) for h in hosts)
+        overlapping = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+        assert overlapping is overlap, (workers, spans)
+
+
 def test_record_drift_lists_edited_file(sshd, speculators_env, tmp_path):
     py = speculators_env("0.3.0", fresh=True)
     inv = write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py))})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_inv, write_inventory
+from conftest import free_port, run_inv, write_inventory
 from runs_support import code_root
 from harness import TEMPLATES_DIR, envfile, runs
 from harness.connection import open_host
@@ -107,6 +107,15 @@ def test_lint_against_host_facts_over_ssh(sshd, tmp_path):
     r = run_inv("env.lint", "--json", "--inventory", inv.source)
     data = json.loads(r.stdout)
     assert [p["name"] for p in data["h"]["problems"]] == ["NCCL_SOCKET_IFNAME"]
+    # --offline: names and values only, no host asked, so the interface the host lacks goes unseen;
+    # it works with the host down (a port nothing listens on)
+    down = write_inventory(tmp_path / "down.yaml", {"h": sshd.entry(gpus=0, port=free_port(), env={
+        "NCCL_SOCKET_IFNAME": "=lo,eth-nothere", "NCCL_MIN_NCHANNELS": "-2"})})
+    r = run_inv("env.lint", "--offline", "--json", "--inventory", str(down))
+    assert r.returncode == 1, r.stderr
+    assert [p["name"] for p in json.loads(r.stdout)["h"]["problems"]] == ["NCCL_MIN_NCHANNELS"]
+    r = run_inv("env.lint", "--json", "--inventory", str(down))  # without it, the host is asked
+    assert r.returncode == 1 and json.loads(r.stdout)["h"]["kind"] == "unreachable", r.stdout
 
 
 def test_missing_template_variable_and_unknown_profile(tmp_path):

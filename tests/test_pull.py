@@ -60,6 +60,24 @@ def test_pull_verified_and_intermediates_stay(finished, tmp_path, method):
     assert sorted(full.files) == sorted(FILES) and digest(dest / "data_1.pt") == digest(art / "data_1.pt")
 
 
+def test_pull_cli_include_and_all_bring_intermediates(finished, tmp_path):
+    """As a user asks for them: ``--include GLOB`` brings the matching intermediates, ``--all`` every one."""
+    inv, conn, art = finished
+    one = tmp_path / "one"
+    r = run_inv("pull", "p1", "--include", "data_1.*", "--dest", str(one), "--json", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["gpu1"]
+    assert sorted(out["files"]) == ["checkpoint/model.safetensors", "data_1.pt", "vocab/d2t.npy"]
+    assert out["left_on_host"] == ["data_0.pt"] and not (one / "data_0.pt").exists()
+    assert digest(one / "data_1.pt") == digest(art / "data_1.pt")
+    every = tmp_path / "every"
+    r = run_inv("pull", "p1", "--all", "--dest", str(every), "--json", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["gpu1"]
+    assert sorted(out["files"]) == sorted(FILES) and out["left_on_host"] == []
+    assert all(digest(every / rel) == digest(art / rel) for rel in FILES)
+
+
 def test_pull_detects_corrupted_artifact(finished, tmp_path):
     inv, conn, art = finished
     target = art / "checkpoint" / "model.safetensors"
