@@ -129,6 +129,11 @@ def stop(c, run, inventory=None, hosts=None, json=False, grace=None):
             if host in results.failed:
                 console().print(f"{host}: [red]{escape(r.message)}[/]")
                 continue
-            st = r.get("status", {})
-            console().print(f"{host}: run {run} {st.get('state', '?')}" + (" (killed after grace)" if r.get("killed") else ""))
+            st, state = r.get("status", {}), r.get("status", {}).get("state", "?")
+            killed = " (killed after grace)" if r.get("killed") else ""
+            if state == "restoring":  # the stage is gone; the wrapper brings the service back first
+                console().print(f"{host}: run {run} stage stopped{killed}; restoring the service, then it reads "
+                                f"stopped (inv runs.status {run})")
+            else:
+                console().print(f"{host}: run {run} {state}{killed}")
     finish(results)

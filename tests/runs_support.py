@@ -3,7 +3,7 @@ service scripts, a stand-in ``nvidia-smi``, and a way to drop every SSH connecti
 
 The test stage is real code run by the real runner on a real sshd host; it stands in for the ML
 stages (which need torch and models) with the behaviours the runner must handle: progress, output,
-artifacts, a chosen exit code, a long sleep, a child process, printing a secret.
+artifacts, a chosen exit code, a long sleep, a child process, ignoring TERM, printing a secret.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def mark(spec, what):
 
 def main(spec):
     mark(spec, "stage-start")
+    if spec.get("ignore_term"):  # a stage busy in a C call that TERM does not reach
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     art = os.path.join(spec["run_dir"], "artifacts")
     if spec.get("print_env"):
         print("env %s=%s" % (spec["print_env"], os.environ.get(spec["print_env"])), flush=True)

@@ -180,6 +180,63 @@ def test_runs_stop_ends_the_whole_process_group(host, tmp_path):
     assert not pid_alive(stage_pid) and not pid_alive(child)  # the stage's child went with the group
 
 
+def test_runs_stop_grace_then_kill_for_a_stage_that_ignores_term(host, tmp_path):
+    """``--grace 1``: TERM, and a second later KILL for a stage that did not end; the CLI says so."""
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="deaf", extra={"ignore_term": True, "sleep": 120}, code_root=code,
+                environ=ENV)
+    wait_for(lambda: runs.status(conn, "deaf").get("stage_pid"))
+    stage_pid = runs.status(conn, "deaf")["stage_pid"]
+    t0 = time.monotonic()
+    r = run_inv("runs.stop", "deaf", "--grace", "1", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    assert "run deaf stopped (killed after grace)" in r.stdout, r.stdout
+    assert time.monotonic() - t0 >= 1 and not pid_alive(stage_pid)
+
+
+def test_logs_follow_cli_detaches_on_ctrl_c_and_reattaches_across_a_drop(host, sshd, tmp_path):
+    """As a user meets it: ``inv runs.logs RUN --follow``, Ctrl-C (the run goes on, the CLI says how to
+    come back), then the same command again, which resumes where the first stopped and rides out a
+    dropped link by itself; every line once, in order."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    inv, connect, code = host
+    conn = connect()
+    runs.launch(conn, inv, "teststage", run_id="cli", extra={"lines": 60, "delay": 0.15}, code_root=code,
+                environ=ENV)
+    env = {**__import__("os").environ, "HARNESS_RUNS_DIR": str(tmp_path / "runs"), "COLUMNS": "200"}
+    argv = [sys.executable, "-m", "invoke", "runs.logs", "cli", "--follow", "--inventory", inv.source]
+    log = tmp_path / "wd" / "runs" / "cli" / "run.log"
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(first.stdout.readline, "")))
+    reader.start()
+    wait_for(lambda: sum("line " in l for l in printed) >= 3)  # the CLI is following
+    first.send_signal(signal.SIGINT)
+    first.wait(timeout=60)
+    reader.join(10)
+    err1 = first.stderr.read()
+    out1 = "".join(printed)
+    assert first.returncode == 130, err1
+    assert "runs.logs cli --follow" in err1 and "Traceback" not in err1, err1
+    assert runs.status(conn, "cli")["state"] == "running"  # Ctrl-C detached; it did not stop the run
+
+    second = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = log.read_text().count("line ")
+    wait_for(lambda: log.read_text().count("line ") >= seen + 5)
+    assert drop_connections(sshd) >= 1
+    out2, err2 = second.communicate(timeout=180)
+    assert second.returncode == 0, err2
+    assert "reattaching to run cli" in err2 and "run cli succeeded" in err2, err2
+    lines = re.findall(r"line \d+ of 60", out1 + out2)
+    assert lines == [f"line {i} of 60" for i in range(1, 61)]
+
+
 def test_secret_never_reaches_log_or_output(host, tmp_path):
     inv, connect, code = host
     conn = connect()

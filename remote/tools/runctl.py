@@ -562,9 +562,9 @@ def stop(spec):
             os.killpg(int(pgid), signal.SIGKILL)
             killed = True
     deadline = time.time() + float(spec.get("wait_s", 5))
-    while time.time() < deadline:  # give the wrapper a moment to record the outcome
-        cur = read_status(rdir)
-        if cur["state"] not in ("running",):
+    while time.time() < deadline:  # give the wrapper a moment to record the outcome (hashing the
+        cur = read_status(rdir)      # artifacts is quick; restoring a service may take minutes)
+        if cur["state"] not in ("running", "hashing"):
             break
         time.sleep(0.05)
     return {"stopped": True, "killed": killed, "status": read_status(rdir)}
