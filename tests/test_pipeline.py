@@ -91,11 +91,26 @@ def test_pipeline_end_to_end_then_skip_then_partial_rerun(setup_inv):
     assert [s["state"] for s in again["gpu"]] == ["skipped"] * 5
     assert [s["run_id"] for s in again["gpu"]] == [s["run_id"] for s in stages]
 
-    # a training setting changed: only train and evaluate run again
+    # --to, --no-pull, --no-patch: with the patches rolled back by hand, a new vocabulary size runs
+    # vocab alone, leaves its artifacts on the host and the patches as they are
+    assert run_inv("patch.rollback", "--inventory", str(inv)).returncode == 0
+    r, head = run_pipeline_cli(root, write(draft_vocab_size=48), "--to", "vocab", "--no-pull", "--no-patch")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [(s["stage"], s["state"]) for s in head["gpu"]] == [("prepare", "skipped"), ("extract", "skipped"),
+                                                                ("vocab", "ran")]
+    vocab = head["gpu"][2]
+    assert vocab["pulled"] is None and not list((root / "runs" / vocab["run_id"]).rglob("*.npy"))  # log mirror only
+    assert np.load(root / "wd" / "runs" / vocab["run_id"] / "artifacts" / "d2t.npy").shape == (48,)
+    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]
+    assert not any(p["state"] == "applied" for p in st["patches"]), st["patches"]
+
+    # a training setting changed: only train and evaluate run again (patched again first)
     inv = write(lr=2e-3)
     r, partial = run_pipeline_cli(root, inv)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [s["state"] for s in partial["gpu"]] == ["skipped", "skipped", "skipped", "ran", "ran"]
+    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]
+    assert any(p["name"].startswith("0007") and p["state"] == "applied" for p in st["patches"]), st["patches"]
     assert partial["gpu"][2]["run_id"] == by["vocab"]["run_id"]
     # --from finds the upstream runs by the same ids
     r, tail = run_pipeline_cli(root, inv, "--from", "train")
