@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,35 @@ def test_setup_cli_refuses_python_outside_a_venv(tmp_path):
     r = run_inv("setup", "--json", "--inventory", str(inv))
     assert r.returncode != 0 and "point 'python' into one" in r.stderr and "Traceback" not in r.stderr
     assert json.loads(r.stdout)["setup"]["l"]["kind"] == "error"
+
+
+def test_base_python_picks_the_interpreter_that_makes_the_venv(sshd, tmp_path):
+    """``--base-python``: the venv is made by the interpreter named, not by the host's first python3.
+    Two interpreters of this machine (another build of 3.11), each venv reports its own."""
+    profile = tmp_path / "remote"
+    profile.mkdir()
+    (profile / "cpu.txt").write_text("six==1.16.0\n")
+    bases = {Path(sys.executable).resolve(), Path("/usr/bin/python3.11").resolve()}
+    versions = set()
+    for i, base in enumerate(sorted(bases)):
+        venv = tmp_path / f"env{i}"
+        inv_path = write_inventory(tmp_path / f"inv{i}.yaml", {"h": sshd.entry(python=f"{venv}/bin/python",
+                                                                                 workdir=str(tmp_path / f"wd{i}"))})
+        inv = load_inventory(inv_path)
+        with open_host(inv.hosts["h"], inv) as conn:
+            setup.run_setup(conn, root=profile, base_python=str(base))
+        want = subprocess.run([str(base), "-c", "import sys; print(sys.version)"], capture_output=True, text=True).stdout
+        got = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version)"],
+                             capture_output=True, text=True).stdout
+        assert got == want, (base, got, want)
+        versions.add(got)
+    assert len(versions) == len(bases)
+
+    # the CLI: an interpreter the host lacks is named in one line, and no venv is left half made
+    venv = tmp_path / "env-cli"
+    inv_path = write_inventory(tmp_path / "cli.yaml", {"h": sshd.entry(python=f"{venv}/bin/python",
+                                                                        workdir=str(tmp_path / "wd-cli"))})
+    r = run_inv("setup", "--base-python", "/opt/no-such/python3.12", "--inventory", str(inv_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "/opt/no-such/python3.12" in r.stderr and "setup (cpu profile) failed" in r.stderr, r.stderr
+    assert not venv.exists()
