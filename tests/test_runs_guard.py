@@ -29,7 +29,8 @@ def gpu_sshd(sshd_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpuhost-tools")
     bindir = root / "bin"
     bindir.mkdir()
-    host = sshd_factory("gpuhost", extra_config=[f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin"])
+    host = sshd_factory("gpuhost", extra_config=[f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin "
+                                                 f"NCCL_DEBUG=WARN VLLM_API_KEY={ENV['HF_TOKEN']}"])
     return host, bindir
 
 
@@ -61,6 +62,35 @@ def guarded(gpu_sshd, tmp_path):
 
 def _follow(conn, rid, tmp_path):
     return runs.follow(conn, rid, base=tmp_path / "runs", on_line=lambda l: None)
+
+
+def test_audit_lists_gpus_their_processes_disk_env_and_system(guarded, tmp_path):
+    """What the audit says of a GPU host, each fact against its own source: the GPUs and the process
+    holding one (the running service) from nvidia-smi's queries, free disk under the workdir, the
+    NCCL_/VLLM_ variables of the host's sessions (secrets masked), OS and kernel."""
+    import os
+    import shutil
+
+    from conftest import run_inv
+
+    inv, connect, code, svc = guarded(gpus=2)
+    (tmp_path / "wd").mkdir(exist_ok=True)
+    r = run_inv("audit", "--json", "--inventory", inv.source)
+    assert r.returncode == 0, r.stderr
+    h = json.loads(r.stdout)["hosts"]["gpu1"]
+    gpus = h["gpus"]
+    assert [g["index"] for g in gpus] == [0, 1] and {g["name"] for g in gpus} == {"Stand-in GPU"}
+    assert {g["memory_total_mib"] for g in gpus} == {97887} and {g["driver"] for g in gpus} == {"580.00"}
+    service_pid = int(svc.pidfile.read_text())
+    assert [p["pid"] for p in gpus[0]["processes"]] == [service_pid] and gpus[1]["processes"] == []
+    assert gpus[0]["memory_used_mib"] == 1024 and gpus[1]["memory_used_mib"] == 0
+    disk = shutil.disk_usage(tmp_path / "wd")
+    assert h["disk"]["path"] == str(tmp_path / "wd") and abs(h["disk"]["free_bytes"] - disk.free) < 256 << 20
+    assert h["env"]["NCCL_DEBUG"] == "WARN" and h["env"]["VLLM_API_KEY"] == "***"
+    assert ENV["HF_TOKEN"] not in r.stdout + r.stderr
+    assert h["system"]["kernel"] == os.uname().release
+    pretty = next(l.split("=", 1)[1].strip().strip('"') for l in open("/etc/os-release") if l.startswith("PRETTY_NAME="))
+    assert h["system"]["os"] == pretty
 
 
 def test_guard_stops_service_runs_stage_then_restores(guarded, tmp_path):
