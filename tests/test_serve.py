@@ -7,6 +7,7 @@ of it is a real vLLM start, about half a minute here), so the suite pays for eac
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -157,12 +158,35 @@ def test_a_stage_stops_the_running_service_and_brings_it_back_with_its_draft(ser
     again with the deployed draft, healthy."""
     before = served.status()
     ins = ",".join(f"{s}={served.stages[s]['run_id']}" for s in ("prepare", "extract", "vocab"))
-    r = served.inv("stage.train", "--run-id", "train-guarded", "--inputs", ins, "--json", timeout=1200)
+    dest = served.workdir.parent / "pulled-train"
+    r = served.inv("stage.train", "--run-id", "train-guarded", "--inputs", ins, "--pull", "--dest", str(dest),
+                   "--json", timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    st = json.loads(r.stdout)["srv"]["status"]
+    out = json.loads(r.stdout)["srv"]
+    st = out["status"]
     assert st["service"] == {"stopped": True, "restarted": True, "healthy": True, "error": None}, st
     after = served.status()
     assert not pid_alive(before["pid"]) and after["pid"] != before["pid"] and after["healthy"]
+    assert after["serving_draft"]["deploy_id"] == before["draft"]["deploy_id"]
+    # --pull --dest: the checkpoint, checked against the run's SHA256SUMS, where the user asked
+    assert Path(out["pulled"]) == dest and (dest / "checkpoint" / "model.safetensors").is_file()
+    host_art = served.workdir / "runs" / "train-guarded" / "artifacts"
+    sums = dict(reversed(l.split("  ", 1)) for l in (host_art / "SHA256SUMS").read_text().splitlines())
+    assert hashlib.sha256((dest / "checkpoint" / "model.safetensors").read_bytes()).hexdigest() == \
+        sums["checkpoint/model.safetensors"]
+
+
+def test_gpu_on_guards_a_stage_that_would_run_unguarded(served):
+    """``--gpu on`` for vocab (a stage that does not run the target, so auto leaves the service up):
+    the service is stopped around it and back, healthy, with its draft."""
+    before = served.status()
+    ins = ",".join(f"{s}={served.stages[s]['run_id']}" for s in ("prepare", "extract"))
+    out = served.json("stage.vocab", "--run-id", "vocab-guarded", "--inputs", ins, "--gpu", "on", timeout=1200)
+    st = out["status"]
+    assert st["gpu_guard"] is True and st["state"] == "succeeded", st
+    assert st["service"] == {"stopped": True, "restarted": True, "healthy": True, "error": None}, st
+    after = served.status()
+    assert after["pid"] != before["pid"] and after["healthy"]
     assert after["serving_draft"]["deploy_id"] == before["draft"]["deploy_id"]
 
 
