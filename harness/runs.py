@@ -159,6 +159,7 @@ def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, c
         "guard": gpu, "host_gpus": host.gpus,
         "service_stop": commands.get("stop") or "", "service_start": commands.get("start") or "",
         "service_health": commands.get("health") or "", "service_running": commands.get("running") or "",
+        "service_managed": bool(svc and svc.managed and commands),
         "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.health_timeout if svc else 1800,
         "poll_interval": poll_interval, "secret_names": secret_names, "lock_wait": lock_wait,
     }

@@ -318,3 +318,58 @@ def test_preflight_refuses_backend_vllm_without_vllm_before_the_service_stops(gu
                    "legacy-cpu)"), msg
     assert svc.events() == ["service-start"] and pid_alive(server)
     assert not (tmp_path / "wd" / "runs" / "pf-vllm").exists()
+
+
+def test_guard_says_at_once_when_the_harness_run_server_dies_on_restart(sshd, tmp_path):
+    """A server the harness runs (``service.vllm``) that dies when the guard starts it again after the
+    stage (here: its draft no longer loads) is reported then, with the server's own error, not after
+    ``health_timeout`` (ten minutes here) of polling a port nobody will open. The server is a stand-in
+    behind the host's python: vLLM's module answers /health with a static file server, or fails."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port, run_inv
+    from harness import REMOTE_DIR
+
+    docroot, fail = tmp_path / "docroot", tmp_path / "fail-next-start"
+    docroot.mkdir()
+    (docroot / "health").write_text("")
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m vllm.entrypoints.openai.api_server" ]; then
+  if [ -e {fail} ]; then echo "RuntimeError: stand-in server: the draft does not load" >&2; exit 1; fi
+  port=; prev=; for a in "$@"; do [ "$prev" = --port ] && port=$a; prev=$a; done
+  exec {sys.executable} -m http.server "$port" --bind 127.0.0.1 --directory {docroot}
+fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    port = free_port()
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(
+        python=str(python), workdir=str(tmp_path / "wd"), gpus=0,
+        service={"vllm": {"port": port}, "health_timeout": 600})}, model={"path": str(tmp_path / "model")}))
+    code = tmp_path / "code"
+    shutil.copytree(REMOTE_DIR, code, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "stages" / "teststage.py").write_text((code_root(tmp_path / "t") / "stages" / "teststage.py").read_text())
+    r = run_inv("service.start", "--json", "--inventory", inv.source, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["h"]["healthy"] is True, r.stdout + r.stderr
+    try:
+        fail.write_text("")
+        conn = open_host(inv.hosts["h"], inv)
+        t0 = time.monotonic()
+        runs.launch(conn, inv, "teststage", run_id="dies", gpu=True, code_root=code, environ=ENV, poll_interval=0.2)
+        st = _follow(conn, "dies", tmp_path)
+        assert time.monotonic() - t0 < 120
+        assert st["state"] == "succeeded"  # the stage itself did its work
+        svc = st["service"]
+        assert svc["stopped"] is True and svc["restarted"] is True and svc["healthy"] is False, svc
+        assert "the server exited before it was healthy" in svc["error"], svc
+        assert "stand-in server: the draft does not load" in svc["error"], svc
+        r = run_inv("runs.status", "dies", "--json", "--inventory", inv.source)
+        assert json.loads(r.stdout)["h"]["service"]["error"] == svc["error"]
+    finally:
+        fail.unlink(missing_ok=True)
+        run_inv("service.stop", "--inventory", inv.source, timeout=120)

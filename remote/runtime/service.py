@@ -402,8 +402,14 @@ def main(argv):
         if action == "stop":
             print(json.dumps(service.stop()))
             return 0
-        if action == "health":
-            return 0 if service.healthy() else 1
+        if action == "health":  # 0 healthy, 1 not yet, 3 the server this harness runs has exited
+            if service.healthy():
+                return 0
+            if service.managed and service.running() is False:
+                print("service: the server exited before it was healthy: %s; see %s" % (service.last_error(), service.log),
+                      file=sys.stderr)
+                return 3
+            return 1
         return 0 if service.running() is not False else 1
     except ServiceError as e:
         print("service: %s" % e, file=sys.stderr)
