@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import generations, pipeline, runner, runs, transfer
-from harness.connection import HostConnection
+from harness.connection import HostConnection, endpoint_for
 from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
 from harness.inventory import ClusterSpec, HostSpec, Inventory
@@ -65,12 +65,12 @@ def cluster_of(inv: Inventory, name: str) -> tuple[ClusterSpec, list[HostSpec]]:
     return spec, [inv.hosts[h] for h in spec.hosts]
 
 
-def master_addr(spec: ClusterSpec, first: HostConnection) -> str:
+def master_addr(spec: ClusterSpec, first: HostSpec, inv: Inventory) -> str:
     """Where the other hosts reach the first one for torchrun's rendezvous: the cluster's
     ``master_addr``, else the first host's own address as this workstation reaches it."""
     if spec.master_addr:
         return spec.master_addr
-    return "127.0.0.1" if first.host.is_local else first.ssh_target
+    return "127.0.0.1" if first.is_local else endpoint_for(first, inv).hostname
 
 
 def shard_id(base: str, rank: int, size: int) -> str:
@@ -90,6 +90,26 @@ def run_ids(inv: Inventory, size: int, addr: str, port: int, generation: str) ->
     train = job_id("train", base["train"], extract=shards, nodes=size, master=f"{addr}:{port}")
     return {"prepare": base["prepare"], "extract": shards, "vocab": base["vocab"], "train": train,
             "evaluate": job_id("evaluate", base["evaluate"], train=train)}
+
+
+def plan_roles(inv: Inventory, name: str) -> dict[str, tuple[dict[str, dict[str, str | None]], dict[str, str]]]:
+    """What ``inv pipeline --plan --cluster NAME`` checks on each host: (its run ids, keyed by
+    generation as ``pipeline.plan_for`` takes them; what it does instead of running a stage). The
+    first host runs prepare, vocab and evaluate, the others get copies of the first two; each host
+    its own shard of the extraction; all of them the training job. A job runs the current line."""
+    spec, hosts = cluster_of(inv, name)
+    first = hosts[0]
+    ids = run_ids(inv.for_host(first.name), len(hosts), master_addr(spec, first, inv), spec.master_port, "current")
+    out = {}
+    for rank, h in enumerate(hosts):
+        mine = {s: (v[rank] if isinstance(v, list) else v) for s, v in ids.items()}
+        instead = {}
+        if rank:
+            instead = {s: f"copy from {first.name}" for s, where in PLACEMENT.items() if where == "first"}
+            instead["evaluate"] = f"runs on {first.name}"
+            mine["evaluate"] = None
+        out[h.name] = ({"current": mine}, instead)
+    return out
 
 
 def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None = None,
@@ -159,7 +179,7 @@ def run_cluster_pipeline(conns: list[HostConnection], inv: Inventory, name: str,
         if line != "current":
             raise HarnessError(f"cluster {name}: host {c.name} has the {line} speculators line; a multi-host job "
                                "needs speculators 0.5+ (the current stack) on every host")
-    addr = master_addr(spec, first)
+    addr = master_addr(spec, first.host, inv)
     ids = run_ids(inv, size, addr, spec.master_port, "current")
     graph = pipeline.contracts("current")
     for c in conns:  # every host ends up with the whole extraction: each must have room for it

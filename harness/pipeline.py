@@ -84,11 +84,13 @@ def run_ids(inv: Inventory, root: Path | None = None, generation: str = "legacy"
     return ids
 
 
-def plan_for(conn: HostConnection, inv: Inventory, stages: list[str]) -> plan.Plan:
+def plan_for(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict | None = None,
+             instead: dict[str, str] | None = None) -> plan.Plan:
     """``inv pipeline --plan`` for ``conn``'s host (``inv`` its own): the run ids of both generations,
-    since which one runs is the host's to say (harness/plan.py reads it there)."""
-    ids = {g: run_ids(inv, generation=g) for g in generations.LINES}
-    return plan.make_plan(conn, inv, stages, ids, ORDER)
+    since which one runs is the host's to say (harness/plan.py reads it there); a multi-host job's
+    ``ids`` and ``instead`` are the host's part in it (harness/cluster.py's ``plan_roles``)."""
+    ids = ids or {g: run_ids(inv, generation=g) for g in generations.LINES}
+    return plan.make_plan(conn, inv, stages, ids, ORDER, instead)
 
 
 def ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:

@@ -59,12 +59,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict[str, dict[str, str]],
-              order: list[str]) -> Plan:
+def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict[str, dict[str, str | None]],
+              order: list[str], instead: dict[str, str] | None = None) -> Plan:
     """Read the host's facts and size the pipeline's ``stages`` on it (``inv`` already the host's own).
-    ``ids``: each generation's run id of every stage (harness/pipeline.py's), ``order`` the stages' order."""
+    ``ids``: each generation's run id of every stage (harness/pipeline.py's; None: not on this host),
+    ``order`` the stages' order, ``instead``: what this host does in place of running a stage (in a
+    multi-host job: a copy from the first host, or nothing)."""
     facts = conn.run_script("plan", {"workdir": conn.host.workdir, "model": inv.model.model_dump() if inv.model else {},
-                                     "run_ids": sorted({rid for by in ids.values() for rid in by.values()})})
+                                     "run_ids": sorted({rid for by in ids.values() for rid in by.values() if rid})})
     version = facts.get("speculators")
     try:
         generation = generations.generation_of(version, conn.name) if version else None
@@ -73,13 +75,14 @@ def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict
     p = Plan(host=conn.name, generation=generation, speculators=version, model=facts["model"], gpus=facts["gpus"],
              workdir=facts["disk"]["path"], free_bytes=int(facts["disk"]["free_bytes"]),
              min_free_bytes=int(conn.host.min_free_gb * 2**30))
-    by_id = ids[generation] if generation else {}
+    by_id = ids.get(generation, {}) if generation else {}
     runs = facts["runs"]
     for stage in order:
         rid = by_id.get(stage)
         state = runs.get(rid, {}).get("state") if rid else None
         selected = stage in stages
-        action = ("skip: succeeded before" if state == "succeeded" else "run") if selected else "not selected"
+        todo = (instead or {}).get(stage, "run")
+        action = ("skip: succeeded before" if state == "succeeded" else todo) if selected else "not selected"
         p.stages.append({"stage": stage, "run_id": rid, "state": state, "action": action})
     _size(p, inv, runs.get(by_id.get("prepare")) or {}, extract_runs=any(
         s["stage"] == "extract" and s["action"] == "run" for s in p.stages))

@@ -33,7 +33,7 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
         if not plan:
             return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json)
     if plan:
-        return show_plans(inv, selected, stages, json)
+        return show_plans(inv, selected, stages, json, cluster)
     out = HostOutput(enabled=not json)
     live = len(selected) == 1 and not json  # one host: a live progress bar; several: prefixed lines
 
@@ -96,15 +96,28 @@ def summary_table(host: str, runs):
     return t
 
 
-def show_plans(inv, selected, stages, json):
-    """``--plan``: each host's plan (harness/plan.py), a table or JSON; exit 1 when one does not fit."""
+def show_plans(inv, selected, stages, json, cluster=None):
+    """``--plan``: each host's plan (harness/plan.py), a table or JSON; exit 1 when one does not fit.
+    With a cluster, each host's part in the job: its run ids, what it runs and what it gets copied."""
     from invoke.exceptions import Exit
 
     from harness import pipeline as _pipeline
     from harness.parallel import on_hosts, with_connection
 
-    results = on_hosts(selected, with_connection(inv, lambda conn: _pipeline.plan_for(conn, inv.for_host(conn.name),
-                                                                                      stages)))
+    roles = {}
+    if cluster is not None:
+        from harness.cluster import plan_roles
+
+        roles = plan_roles(inv, cluster)
+        job_inv = inv.for_host(selected[0].name)  # one job, one set of settings: the first host's
+
+    def one(conn):
+        if conn.name in roles:
+            ids, instead = roles[conn.name]
+            return _pipeline.plan_for(conn, job_inv, stages, ids, instead)
+        return _pipeline.plan_for(conn, inv.for_host(conn.name), stages)
+
+    results = on_hosts(selected, with_connection(inv, one))
     if json:
         emit_json(results.to_json(lambda p: p.as_dict()))
     else:

@@ -109,6 +109,19 @@ def test_two_hosts_extract_shards_and_train_as_one_torchrun_job(pair):
     assert {s["state"] for s in again["stages"]} == {"skipped"}
     assert all(not c["adopted"] and c["already"] for c in again["copies"])
 
+    # the plan says the same, host by host, with the job's run ids: each host's shard, the copies it holds
+    r = run_inv("pipeline", "--plan", "--cluster", "pair", "--json", env=pair.env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plans = json.loads(r.stdout)
+    rows = {h: {s["stage"]: (s["run_id"], s["action"]) for s in plans[h]["stages"]} for h in ("node0", "node1")}
+    skip = "skip: succeeded before"
+    assert rows["node0"] == {"prepare": (prep, skip), "extract": (shards[0], skip),
+                             "vocab": (by[("vocab", "node0")]["run_id"], skip), "train": (rid, skip),
+                             "evaluate": (rows["node0"]["evaluate"][0], "run")}
+    assert rows["node1"] == {"prepare": (prep, skip), "extract": (shards[1], skip),
+                             "vocab": (by[("vocab", "node0")]["run_id"], skip), "train": (rid, skip),
+                             "evaluate": (None, "runs on node0")}
+
 
 def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair):
     """Kill node1's whole run (its wrapper, torchrun and the trainer: what a host crash leaves) while
