@@ -231,14 +231,18 @@ class WaivablePositionalTask(Task):
         return args
 
 
-def number(value, option: str, kind: type = float):
-    """An option's value as ``kind`` (invoke hands options without a typed default over as text); bad
-    input is one line naming the option, not a traceback. None stays None."""
-    if value is None:
-        return None
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        from harness.errors import HarnessError
+def number(value, option: str, kind: type = float, default=None, minimum=None, why: str = ""):
+    """An option's value as ``kind`` (invoke hands options without a typed default over as text), or
+    ``default`` when it was not given; bad input, or a value below ``minimum`` (``why``: what the
+    option means), is one line naming the option, not a traceback."""
+    from harness.errors import HarnessError
 
+    if value is None:
+        return default
+    try:
+        out = kind(value)
+    except (TypeError, ValueError):
         raise HarnessError(f"{option} {value!r}: not {'a whole number' if kind is int else 'a number'}") from None
+    if minimum is not None and out < minimum:
+        raise HarnessError(f"{option} {out:g}: {why}, at least {minimum:g}")
+    return out

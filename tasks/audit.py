@@ -15,12 +15,7 @@ def audit(c, inventory=None, hosts=None, json=False, strict=False, workers=None)
     """Probe each host (versions, GPUs, services, speculators files, patches) in one round trip."""
     from harness import audit as _audit
 
-    workers = number(workers, "--workers", int)
-    workers = 8 if workers is None else workers
-    if workers < 1:
-        from harness.errors import HarnessError
-
-        raise HarnessError(f"--workers {workers}: give at least 1 (hosts probed at once)")
+    workers = number(workers, "--workers", int, default=8, minimum=1, why="hosts probed at once")
     inv, selected = load(inventory, hosts)
     results = _audit.run_audit(inv, selected, workers=workers)
     emit_json(_audit.as_json(results)) if json else render(results)

@@ -115,12 +115,7 @@ def stop(c, run, inventory=None, hosts=None, json=False, grace=None):
     """Stop a run's whole process group; the wrapper still restores the service."""
     from harness import runs
 
-    grace = number(grace, "--grace")
-    grace = 10.0 if grace is None else grace
-    if grace < 0:
-        from harness.errors import HarnessError
-
-        raise HarnessError(f"--grace {grace:g}: seconds between TERM and KILL, at least 0")
+    grace = number(grace, "--grace", default=10.0, minimum=0, why="seconds between TERM and KILL")
     results = _each(inventory, hosts, lambda conn: runs.stop(conn, run, grace=grace))
     if json:
         emit_json(results.to_json())

@@ -105,7 +105,7 @@ def test_identity_that_is_unreadable_says_so(tmp_path):
 
 @pytest.mark.parametrize("argv, line", [
     (("audit", "--workers", "abc"), "error: --workers 'abc': not a whole number"),
-    (("audit", "--workers", "0"), "error: --workers 0: give at least 1"),
+    (("audit", "--workers", "0"), "error: --workers 0: hosts probed at once, at least 1"),
     (("runs.stop", "r1", "--grace", "abc"), "error: --grace 'abc': not a number"),
     (("runs.stop", "r1", "--grace", "-1"), "error: --grace -1: seconds between TERM and KILL, at least 0"),
     (("service.stop", "--grace", "soon"), "error: --grace 'soon': not a number"),

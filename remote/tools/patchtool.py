@@ -45,7 +45,6 @@ from patchstate import (
 )
 
 
-
 # ------------------------------------------------------------------------------------------------
 # unified diffs: an exact applier (no fuzz, no offset search; the hashes were checked first)
 
