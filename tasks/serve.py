@@ -27,7 +27,8 @@ def metrics(c, inventory=None, hosts=None, json=False, watch=None, count=None):
     from harness.parallel import on_hosts, with_connection
 
     inv, selected = load(inventory, hosts)
-    watch, count = number(watch, "--watch") or 0, number(count, "--count", int) or 0
+    watch = number(watch, "--watch", default=0, minimum=0, why="seconds between reports (0: once)")
+    count = number(count, "--count", int, default=0, minimum=0, why="intervals to report (0: until Ctrl-C)")
     previous: dict = {}
 
     def once():

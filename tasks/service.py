@@ -40,7 +40,7 @@ def start(c, inventory=None, hosts=None, json=False, wait=True, timeout=None):
     """Start each host's production server (with the draft a deploy installed) and wait for its health."""
     from harness import service
 
-    timeout = number(timeout, "--timeout") or None  # bad input stops here, before any host
+    timeout = number(timeout, "--timeout", minimum=1, why="seconds to wait for health")  # before any host
     out = HostOutput(enabled=not json)
 
     def one(conn, inv):
@@ -65,7 +65,7 @@ def stop(c, inventory=None, hosts=None, json=False, grace=None):
     """Stop each host's production server."""
     from harness import service
 
-    grace = number(grace, "--grace") or 60.0  # bad input stops here, before any host
+    grace = number(grace, "--grace", default=60.0, minimum=0, why="seconds between TERM and KILL")  # before any host
     results = _each(inventory, hosts, lambda conn, inv: service.stop(conn, inv, grace=grace))
     if json:
         emit_json(results.to_json())

@@ -109,8 +109,11 @@ def test_identity_that_is_unreadable_says_so(tmp_path):
     (("runs.stop", "r1", "--grace", "abc"), "error: --grace 'abc': not a number"),
     (("runs.stop", "r1", "--grace", "-1"), "error: --grace -1: seconds between TERM and KILL, at least 0"),
     (("service.stop", "--grace", "soon"), "error: --grace 'soon': not a number"),
+    (("service.stop", "--grace", "-5"), "error: --grace -5: seconds between TERM and KILL, at least 0"),
+    (("service.start", "--timeout", "0"), "error: --timeout 0: seconds to wait for health, at least 1"),
     (("deploy", "r1", "-k", "three"), "error: -k 'three': not a whole number"),
     (("serve.metrics", "--watch", "x"), "error: --watch 'x': not a number"),
+    (("serve.metrics", "--watch", "5", "--count", "-1"), "error: --count -1: intervals to report (0: until Ctrl-C), at least 0"),
 ])
 def test_a_numeric_option_given_text_is_one_line_before_any_host(tmp_path, argv, line):
     """Checked before the inventory is read: the host here does not exist."""

@@ -373,3 +373,40 @@ exec {sys.executable} "$@"
     finally:
         fail.unlink(missing_ok=True)
         run_inv("service.stop", "--inventory", inv.source, timeout=120)
+
+
+def test_service_stop_grace_zero_kills_a_server_that_ignores_term_at_once(sshd, tmp_path):
+    """``inv service.stop --grace 0`` sends KILL right after TERM (it used to read 0 as "not given" and
+    wait the default 60 s). The server is a stand-in behind the host's python that ignores TERM."""
+    import sys
+    import time
+
+    from conftest import free_port, run_inv
+
+    docroot = tmp_path / "docroot"
+    docroot.mkdir()
+    (docroot / "health").write_text("")
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m vllm.entrypoints.openai.api_server" ]; then
+  port=; prev=; for a in "$@"; do [ "$prev" = --port ] && port=$a; prev=$a; done
+  exec {sys.executable} -c "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); \\
+sys.argv = ['http.server', '$port', '--bind', '127.0.0.1', '--directory', '{docroot}']; \\
+import runpy; runpy.run_module('http.server', run_name='__main__')"
+fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    inv = load_inventory(write_inventory(tmp_path, {"h": sshd.entry(
+        python=str(python), workdir=str(tmp_path / "wd"), gpus=0,
+        service={"vllm": {"port": free_port()}, "health_timeout": 60})}, model={"path": str(tmp_path / "model")}))
+    r = run_inv("service.start", "--json", "--inventory", inv.source, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["h"]["healthy"] is True, r.stdout + r.stderr
+    pid = json.loads(run_inv("service.status", "--json", "--inventory", inv.source).stdout)["h"]["pid"]
+    t0 = time.monotonic()
+    r = run_inv("service.stop", "--grace", "0", "--json", "--inventory", inv.source, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 0 and json.loads(r.stdout)["h"]["was_running"] is True, r.stdout + r.stderr
+    assert took < 30, took
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
