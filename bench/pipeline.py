@@ -72,13 +72,18 @@ def _port() -> int:
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` as a user starts it, waited for on /health."""
 
-    def __init__(self, python: Path, model: str, max_len: int, log: Path, extra: list[str] = ()):
+    def __init__(self, python: Path, model: str, max_len: int, log: Path, extra: list[str] = (), dtype: str = ""):
         self.port = _port()
+        # the settings the harness's stage servers ran with, so both sides do the same work: its dtype
+        # (extract.json's) and, on two cores, every core for vLLM's model runner
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        if (os.cpu_count() or 1) <= 2:
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         self.proc = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--max-model-len", str(max_len), "--enforce-eager", *extra],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+             "--port", str(self.port), "--max-model-len", str(max_len), "--enforce-eager",
+             *(["--dtype", dtype] if dtype else []), *extra],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
@@ -128,7 +133,8 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
     times["convert"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    server = Server(python, model, max_len, hand / "server-prepare.log")
+    dtype = meta.get("dtype", "")
+    server = Server(python, model, max_len, hand / "server-prepare.log", dtype=dtype)
     url = f"http://127.0.0.1:{server.port}"
     try:
         run("regenerate-responses", "--endpoint", f"{url}/v1/chat/completions", "--model", model,
@@ -147,7 +153,8 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
     transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(hand / "staging")}}
     server = Server(python, model, max_len + 1, hand / "server-extract.log",
-                    ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)])
+                    ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)],
+                    dtype=dtype)
     try:
         run("generate-offline-data", "--model", model, "--endpoint", f"http://127.0.0.1:{server.port}/v1",
             "--preprocessed-data", str(hand / "data"), "--output", str(hand / "data" / "hidden_states"),

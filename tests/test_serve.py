@@ -59,6 +59,11 @@ class Served:
     def status(self) -> dict:
         return self.json("service.status")
 
+    def last_exec(self) -> str:
+        """The command line the managed server was last started with (its log's ``@@service exec``)."""
+        log = (self.workdir / "service" / "server.log").read_text()
+        return [ln for ln in log.splitlines() if ln.startswith("@@service exec: ")][-1]
+
     def chat(self, text: str, max_tokens: int = 16) -> dict:
         model = json.loads(urllib.request.urlopen(self.url + "/v1/models", timeout=30).read())["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
@@ -111,6 +116,7 @@ def test_service_start_status_and_metrics_before_any_draft(served):
     st = served.status()
     assert st["running"] is True and st["healthy"] is True and st["draft"] is None and pid_alive(st["pid"])
     assert st["url"] == served.url and st["mode"] == "vllm"
+    assert "--dtype" not in served.last_exec()  # no draft: vLLM's own dtype, the faster one for one token
     served.chat("Say hello.")
     m = served.json("serve.metrics")
     assert m["acceptance_length"] is None and m["drafts"] == 0 and m["requests"] >= 1  # no draft, no drafts
@@ -130,6 +136,10 @@ def test_deploy_serves_the_draft_and_metrics_count_it(served):
     st = served.status()
     assert st["healthy"] and st["pid"] != before["pid"] and st["draft"]["run_id"] == train
     assert st["serving_draft"]["checkpoint"] == st["draft"]["checkpoint"]  # what the running server got
+    # with a draft, on a CPU that only emulates bf16, the server runs in float32 (its verify pass is
+    # then about as cheap as one token's step); it was started without a dtype before
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert ("--dtype float32" in served.last_exec()) == (not flags & {"amx_bf16", "avx512_bf16", "bf16"})
     installed = Path(st["draft"]["checkpoint"])
     assert installed.is_relative_to(served.workdir / "deploys") and (installed / "config.json").is_file()
     record = json.loads((installed.parent / "deploy.json").read_text())
@@ -196,6 +206,7 @@ def test_rollback_by_hand_leaves_it_healthy_without_the_draft(served):
     assert out["result"]["state"] == "rolled back" and out["result"]["undid"] == deployed
     st = served.status()
     assert st["healthy"] and st["draft"] is None and st["serving_draft"] is None
+    assert "--dtype" not in served.last_exec() and "--speculative-config" not in served.last_exec()
     assert [h["action"] for h in st["history"][-2:]] == ["deploy", "rollback"]
     r = served.inv("deploy", "--rollback")
     assert r.returncode == 1 and "nothing to roll back" in r.stderr and "Traceback" not in r.stderr
@@ -289,3 +300,32 @@ def test_a_dropped_link_during_a_deploy_leaves_it_finished(served):
         assert st["healthy"] and st["draft"]["deploy_id"] == job.name and st["pid"] != before["pid"]
     else:
         assert st["healthy"] and st["draft"] is None
+
+
+def test_the_managed_server_command_follows_the_host_and_the_inventory():
+    """The managed server's command line (runtime/service.py): on a host without an accelerator, eager
+    unless the inventory's args ask for compilation; float32 only with a draft on a CPU that emulates
+    bf16, and never over a dtype the inventory gives."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "remote"))
+    try:
+        from runtime.service import server_argv
+    finally:
+        sys.path.pop(0)
+    draft = {"checkpoint": "/ckpt", "k": 3}
+    config = {"python": "py", "vllm": {"port": 8001, "args": ["--max-model-len", "256"]}}
+
+    def argv(**kw):
+        return server_argv({**config, **kw.pop("config", {})}, "/model", **kw)
+
+    plain = argv(draft=None, accelerator=False, native_bf16=False)
+    assert "--enforce-eager" in plain and "--dtype" not in plain and "--speculative-config" not in plain
+    with_draft = argv(draft=draft, accelerator=False, native_bf16=False)
+    assert with_draft[with_draft.index("--dtype") + 1] == "float32" and "--speculative-config" in with_draft
+    assert "--dtype" not in argv(draft=draft, accelerator=False, native_bf16=True)
+    assert "--dtype" not in argv(draft=draft, accelerator=True, native_bf16=False)
+    assert "--enforce-eager" not in argv(draft=None, accelerator=True)
+    own = argv(draft=draft, accelerator=False, native_bf16=False,
+               config={"vllm": {"args": ["--dtype=bfloat16", "--no-enforce-eager"]}})
+    assert own.count("--dtype=bfloat16") == 1 and "float32" not in own and "--enforce-eager" not in own

@@ -66,11 +66,16 @@ def extracted(tmp_path_factory, current_python, tiny) -> Path:
 def test_extract_equals_a_transformers_forward(extracted, current_python, tiny):
     """Every sample's file: token ids equal the dataset's, rows equal tokens, and the hidden states at the
     draft's layers equal a transformers forward's layer inputs (vLLM id i: the input of layer i), the last
-    one the last layer's output, within bf16 noise."""
+    one the last layer's output, within bf16 noise (float32 files, on a CPU without native bf16: within
+    float32's)."""
     prepared = result(extracted, "prepare")
     assert prepared["samples"] >= 10 and prepared["regenerated"] is True
     meta = json.loads((extracted / "runs/extract-1/artifacts/extract.json").read_text())
     assert meta["backend"] == "vllm" and meta["captured_layer_ids"] == [2, 4, 5, 8]
+    # pipeline.dtype auto: float32 on a CPU that only emulates bf16 (about twice as fast), else the model's
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    want_dtype = "bfloat16" if flags & {"amx_bf16", "avx512_bf16", "bf16"} else "float32"
+    assert meta["dtype"] == want_dtype, meta
     check = f"""
 import json, torch
 from datasets import load_from_disk
@@ -85,6 +90,7 @@ for i, row in enumerate(data):
     saved = load_file({str(extracted / 'runs/extract-1/artifacts/hidden_states')!r} + f"/hs_{{i}}.safetensors")
     ids = torch.tensor(row["input_ids"])
     assert saved["token_ids"].tolist() == ids.tolist(), i
+    assert str(saved["hidden_states"].dtype) == "torch." + {meta["dtype"]!r}, saved["hidden_states"].dtype
     hs = saved["hidden_states"].float()
     assert hs.shape[:2] == (len(ids), 4), (i, hs.shape)
     with torch.no_grad():
@@ -101,7 +107,8 @@ print(json.dumps({{"samples": n, "worst": worst}}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["samples"] == prepared["samples"]
-    assert got["worst"] < 0.02, got  # bf16 storage and vLLM's bf16 compute: ~0.5% relative
+    # bf16 storage and vLLM's bf16 compute: ~0.5% relative; float32 throughout: kernel-order noise only
+    assert got["worst"] < (0.02 if meta["dtype"] == "bfloat16" else 1e-3), got
 
 
 @pytest.mark.timeout(1800)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 COMMON_SETTINGS = {          # pipeline settings every stage reads (device, compute_dtype), with their defaults
     "device": "auto",        # torch device: auto (cuda when torch sees one), cpu, cuda, cuda:N
-    "dtype": "auto",         # compute dtype: auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16
+    "dtype": "auto",         # compute dtype: auto (legacy: float32 on CPU, bfloat16 on GPUs; current: float32 on a
+                             # CPU without native bf16, else the model's), float32, bfloat16, float16
     "threads": 0,            # torch intra-op threads; 0: torch's default (every core)
     "extra": {},             # free-form settings of your own: no stage reads them, every run id hashes them
 }
@@ -204,6 +205,27 @@ def compute_dtype(cfg: Settings, dev: str):
     if name not in table:
         raise SystemExit(f"pipeline.dtype {name!r} is not one of auto, {', '.join(table)}")
     return table[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 AMX or AVX512-BF16, Arm's BF16 extension);
+    without it torch and vLLM emulate bf16 matmuls, at about half the speed of float32."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text(errors="replace").split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def vllm_dtype(cfg: Settings, accelerator: bool) -> str | None:
+    """The dtype a current-generation stage computes in, for vLLM's ``--dtype`` and speculators'
+    ``--hidden-states-dtype``: ``pipeline.dtype`` when set; auto is float32 on a CPU without native bf16,
+    else None: vLLM's and speculators' own choice (bf16 for this project's models). Measured on 2 such
+    cores: 64 requests in flight through vLLM at 153 tokens/s in float32 against 60 in emulated bf16; a
+    training step of the default draft in 0.44 s against 0.98."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return None if accelerator or cpu_has_native_bf16() else "float32"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from stages import common
 from stages.lib import specdecode
 from stages.lib.acceptance import summary, walk
-from stages.lib.vllm_server import VllmServer, extract_configs
+from stages.lib.vllm_server import VllmServer, extract_configs, server_dtype
 
 #: the gap between the live and the offline acceptance length that the stage reports as a disagreement
 GAP_WARNING = 0.1
@@ -89,7 +89,7 @@ def _read_and_remove(response: dict):
 
 
 def hidden_states(server: VllmServer, ids: list[int]):
-    """(seq, layers, hidden) bf16 at the captured layers, read from the file the connector wrote."""
+    """(seq, layers, hidden) at the captured layers (in the server's dtype), read from the file the connector wrote."""
     r = server.post("/v1/completions", {"model": server.name, "prompt": ids, "max_tokens": 1,
                                         "return_token_ids": True})
     data = _read_and_remove(r)
@@ -143,7 +143,7 @@ def main(spec: dict) -> dict:
     model_path = common.model_dir(spec)
     server_args = dict(log_path=out / "server.log", max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
                        tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+                       trust_remote_code=bool(spec["model"].get("trust_remote_code")), dtype=server_dtype(cfg))
     speculative = {"method": "eagle3", "model": str(checkpoint), "num_speculative_tokens": k}
     # 1. live: the target served with the draft, as production will serve it
     with VllmServer(STAGE, model_path, **server_args,

@@ -5,7 +5,7 @@ KV-transfer configs speculators documents for offline data (method ``extract_hid
 ``ExampleHiddenStatesConnector`` writing safetensors files; stages/lib/vllm_server.py), and runs
 ``speculators generate-offline-data`` against it: one ``max_tokens=1`` completion per sample, its
 hidden states moved to ``hidden_states/hs_{i}.safetensors`` = ``{"hidden_states": (seq, L, hidden)
-bf16, "token_ids": (seq,)}``, checked by speculators (``--validate-outputs``: token ids equal the
+in the server's dtype (pipeline.dtype: auto is float32 on a CPU, the model's on GPUs), "token_ids": (seq,)}``, checked by speculators (``--validate-outputs``: token ids equal the
 sample's, rows equal tokens, finite values).
 
 Layers, in vLLM's convention (id i: the input of decoder layer i, i.e. the output of layer i-1; id n:
@@ -26,7 +26,7 @@ the stage then checks every sample's file (its header: rows equal tokens) before
 sample left without one stops the stage naming it.
 """
 from stages import common
-from stages.lib.vllm_server import VllmServer, extract_configs, speculators_cli
+from stages.lib.vllm_server import VllmServer, extract_configs, server_dtype, speculators_cli
 
 STAGE = "extract"
 READS = ("prepare",)         # the stages whose artifacts this one reads: prepare's dataset/
@@ -62,6 +62,22 @@ def rows_of(path) -> int | None:
         return None
 
 
+def stored_dtype(path) -> str | None:
+    """The dtype of an ``hs_i.safetensors``'s hidden states (its header only), as torch names it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(f.get_slice("hidden_states").get_dtype())
+    except Exception:
+        return None
+
+
+def config_dtype(config) -> str:
+    """The model's own dtype (what vLLM serves it in when told nothing)."""
+    return str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16").removeprefix("torch.")
+
+
 def main(spec: dict) -> dict:
     from datasets import load_from_disk
     from transformers import AutoConfig
@@ -85,7 +101,8 @@ def main(spec: dict) -> dict:
         common.write_json(out / "extract.json", {
             "target_layer_ids": layers, "captured_layer_ids": captured, "eagle_aux_hidden_state_layer_ids": layers,
             "num_hidden_layers": n, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "samples": len(dataset), "tokens": tokens, "backend": "vllm", "online": True, "dtype": "bfloat16",
+            "samples": len(dataset), "tokens": tokens, "backend": "vllm", "online": True,
+            "dtype": server_dtype(cfg) or config_dtype(config),
             "format": "online: streamed from vLLM's extract_hidden_states to the trainer, not stored"})
         common.progress(len(dataset), len(dataset), "samples")
         return {"samples": len(dataset), "tokens": tokens, "extracted": 0, "layers": captured, "online": True,
@@ -106,7 +123,7 @@ def main(spec: dict) -> dict:
     staging = out / ".staging"  # where vLLM writes: the same file system, so speculators' move is a rename
     with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
                     tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    trust_remote_code=bool(spec["model"].get("trust_remote_code")),
+                    trust_remote_code=bool(spec["model"].get("trust_remote_code")), dtype=server_dtype(cfg),
                     extra_args=extract_configs(captured, staging)) as server:
         def files_written():
             common.progress(len(list(hidden.glob("hs_*.safetensors"))) if hidden.is_dir() else 0, len(shard),
@@ -118,13 +135,14 @@ def main(spec: dict) -> dict:
                                 "--world-size", str(node["size"]), "--rank", str(node["rank"])],
                         progress=files_written)
 
-    tokens = 0
+    tokens, stored = 0, None
     for i in shard:  # never a sample of this shard short or missing
         want, got = len(dataset[i]["input_ids"]), rows_of(hidden / f"hs_{i}.safetensors")
         if got != want:
             common.fail(STAGE, f"sample {i}: hs_{i}.safetensors has {'no readable file' if got is None else f'{got} rows'} "
                                f"for {want} tokens; run the stage again (it regenerates what is missing)")
         tokens += want
+        stored = stored or stored_dtype(hidden / f"hs_{i}.safetensors")
 
     meta = {
         "target_layer_ids": layers,
@@ -139,11 +157,11 @@ def main(spec: dict) -> dict:
         "shard": {"rank": node["rank"], "size": node["size"], "first": shard[0] if shard else None,
                   "end": shard[-1] + 1 if shard else None},
         "backend": "vllm",
-        "dtype": "bfloat16",
+        "dtype": stored or server_dtype(cfg) or config_dtype(config),
         "format": "speculators 0.5+ hidden states (hidden_states/hs_{i}.safetensors)",
     }
     common.write_json(out / "extract.json", meta)
-    hidden_bytes = tokens * len(captured) * config.hidden_size * 2
+    hidden_bytes = tokens * len(captured) * config.hidden_size * (4 if meta["dtype"] == "float32" else 2)
     return {"samples": len(shard), "tokens": tokens, "extracted": len(shard) - before, "layers": captured,
             "shard": f"{node['rank'] + 1}/{node['size']}",
             "hidden_state_bytes": hidden_bytes, "backend": "vllm", "seconds": timer(),

@@ -24,7 +24,7 @@ import json
 
 from stages import common
 from stages.lib import conversations
-from stages.lib.vllm_server import VllmServer, speculators_cli
+from stages.lib.vllm_server import VllmServer, server_dtype, speculators_cli
 
 STAGE = "prepare"
 READS = ()                   # the stages whose artifacts this one reads: none, it starts the pipeline
@@ -63,7 +63,7 @@ def main(spec: dict) -> dict:
     regenerated = out / "regenerated.jsonl"
     with VllmServer(STAGE, model_path, log_path=out / "server.log", max_model_len=cfg.max_seq_len,
                     tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    trust_remote_code=trust) as server:
+                    trust_remote_code=trust, dtype=server_dtype(cfg)) as server:
         if cfg.regenerate:
             def rows_written():
                 n = sum(1 for _ in open(regenerated)) if regenerated.exists() else 0

@@ -20,7 +20,9 @@ become metrics.json and loss.png); with ``pipeline.gpus`` > 1, or on several hos
 between CPU nodes. Only the first host writes the checkpoint; a multi-host job reads the hidden states
 of every extraction shard (each copied to every node), through one directory of links to them. On a CPU host the 0.9.0 patch series must be applied (its Trainer assumes an
 accelerator), attention is ``sdpa`` (FlexAttention has no CPU backward) and the loss the eager one
-(the fused loss is a Triton GPU kernel): ``pipeline.draft_attn_impl`` auto picks these.
+(the fused loss is a Triton GPU kernel): ``pipeline.draft_attn_impl`` auto picks these. On a CPU without
+native bf16 the trainer computes in float32 (``--hidden-states-dtype``; ``pipeline.dtype``, see
+common.vllm_dtype), about twice as fast there as its emulated bf16 autocast.
 
 Online (``pipeline.online``; extract then stores nothing): the stage starts a vLLM server for the target
 with the extract configs and gives speculators its endpoint (``--vllm-endpoint``, ``--on-missing
@@ -144,6 +146,8 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         "--scheduler-type", cfg.scheduler,
         "--seed", str(cfg.seed),
         "--draft-attn-impl", attn,
+        # the autocast and hidden-state dtype (common.vllm_dtype: float32 on a CPU that only emulates bf16)
+        "--hidden-states-dtype", common.vllm_dtype(cfg, on_gpu) or "bfloat16",
         "--save-path", save_path,
     ]
     if not on_gpu:  # the fused loss is a Triton GPU kernel; data loader workers only compete for the cores
@@ -207,12 +211,12 @@ def main(spec: dict) -> dict:
     args = train_args(spec, cfg, meta, save_path, on_gpu, str(hidden_states), config_path and str(config_path))
     with contextlib.ExitStack() as stack:
         if cfg.online:
-            from stages.lib.vllm_server import VllmServer, extract_configs
+            from stages.lib.vllm_server import VllmServer, extract_configs, server_dtype
 
             server = stack.enter_context(VllmServer(
                 STAGE, common.model_dir(spec), log_path=out / "server.log", max_model_len=cfg.max_seq_len + 1,
                 tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                trust_remote_code=bool(spec["model"].get("trust_remote_code")),
+                trust_remote_code=bool(spec["model"].get("trust_remote_code")), dtype=server_dtype(cfg),
                 extra_args=extract_configs(meta["captured_layer_ids"], out / ".staging")))
             # speculators' online mode: a missing sample is generated through the endpoint, loaded, discarded
             args += ["--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate"]
