@@ -55,7 +55,9 @@ class ManagedVllm(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     #: more ``vllm.entrypoints.openai.api_server`` arguments (e.g. ``--max-model-len 1024``); on a host
-    #: without an accelerator ``--enforce-eager`` is added unless given (``--no-enforce-eager``: compile)
+    #: without an accelerator ``--enforce-eager`` is added unless given (``--no-enforce-eager``: compile),
+    #: and with a draft on a CPU without native bf16 ``--dtype float32`` unless a dtype is given (see
+    #: remote/runtime/service.py)
     args: list[str] = Field(default_factory=list)
 
 
