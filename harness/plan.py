@@ -16,9 +16,22 @@ from harness.connection import HostConnection
 from harness.errors import HarnessError
 from harness.inventory import Inventory
 
-#: EAGLE-3 data: three layers fed to the draft plus the last one for the targets, bf16 in both generations
+#: EAGLE-3 data: three layers fed to the draft plus the last one for the targets
 CAPTURED_LAYERS = 4
-BYTES_PER_VALUE = 2
+#: bytes per stored value: bf16, or float32 where the current stages compute in it (stored_dtype)
+BYTES_PER_VALUE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def stored_dtype(inv: Inventory, generation: str | None, gpus: list | None, native_bf16: bool) -> str:
+    """The dtype extract stores hidden states in: ``pipeline.dtype`` when set; the legacy stages store
+    bf16; the current ones the dtype their vLLM server computes in, float32 on a host without GPUs whose
+    CPU only emulates bf16 (remote/stages/common.py's vllm_dtype), else the model's (bf16)."""
+    given = getattr(inv.pipeline, "dtype", "auto") or "auto"
+    if given != "auto":
+        return given
+    if generation == "current" and not gpus and not native_bf16:
+        return "float32"
+    return "bfloat16"
 
 
 @dataclass
@@ -33,6 +46,8 @@ class Plan:
     workdir: str
     free_bytes: int
     min_free_bytes: int
+    #: what extract stores the hidden states in (stored_dtype)
+    dtype: str = "bfloat16"
     stages: list[dict] = field(default_factory=list)
     hidden_states: dict = field(default_factory=dict)
     verdict: str = "fits"   # fits | does not fit | unknown
@@ -74,7 +89,8 @@ def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict
         generation = None
     p = Plan(host=conn.name, generation=generation, speculators=version, model=facts["model"], gpus=facts["gpus"],
              workdir=facts["disk"]["path"], free_bytes=int(facts["disk"]["free_bytes"]),
-             min_free_bytes=int(conn.host.min_free_gb * 2**30))
+             min_free_bytes=int(conn.host.min_free_gb * 2**30),
+             dtype=stored_dtype(inv, generation, facts["gpus"], bool(facts.get("native_bf16"))))
     by_id = ids.get(generation, {}) if generation else {}
     runs = facts["runs"]
     for stage in order:
@@ -96,12 +112,13 @@ def _size(p: Plan, inv: Inventory, prepare: dict, extract_runs: bool) -> None:
     hidden = shape.get("hidden_size")
     exact = prepare.get("state") == "succeeded" and isinstance(prepare.get("tokens"), int)
     tokens = prepare["tokens"] if exact else settings.samples * settings.max_seq_len
-    per_token = CAPTURED_LAYERS * hidden * BYTES_PER_VALUE if isinstance(hidden, int) else None
+    width = BYTES_PER_VALUE.get(p.dtype, 2)
+    per_token = CAPTURED_LAYERS * hidden * width if isinstance(hidden, int) else None
     total = tokens * per_token if per_token else None
     p.hidden_states = {"tokens": tokens, "exact": exact,
                        "basis": "prepare's token count" if exact else
                                 f"upper bound: {settings.samples} samples x max_seq_len {settings.max_seq_len}",
-                       "layers": CAPTURED_LAYERS, "dtype": "bfloat16", "bytes_per_token": per_token, "bytes": total,
+                       "layers": CAPTURED_LAYERS, "dtype": p.dtype, "bytes_per_token": per_token, "bytes": total,
                        "stored": extract_runs and not online, "online": online}
     if not p.generation:
         p.reason = (f"speculators {p.speculators} is outside the lines the harness drives" if p.speculators
@@ -125,7 +142,7 @@ def _size(p: Plan, inv: Inventory, prepare: dict, extract_runs: bool) -> None:
         return
     p.verdict = "does not fit"
     p.reason = (f"the hidden states need {human_bytes(total)} ({tokens:,} tokens x {CAPTURED_LAYERS} layers x "
-                f"hidden {hidden} x {BYTES_PER_VALUE} bytes, {p.hidden_states['basis']}) but {p.workdir} has "
+                f"hidden {hidden} x {width} bytes ({p.dtype}), {p.hidden_states['basis']}) but {p.workdir} has "
                 f"{human_bytes(p.free_bytes)} free")
     per_sample = (tokens / max(prepare.get("samples") or settings.samples, 1)) * per_token
     most = max(int(room // per_sample), 0)

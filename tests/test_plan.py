@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +31,9 @@ def test_plan_sizes_kimi_k25_at_full_scale_and_says_it_does_not_fit(tmp_path, ss
     model = tmp_path / "kimi-k2.5"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
+    # the reference host's GPUs compute in bf16: said here, since this test host has none
     inventory, workdir = _host(tmp_path, sshd_factory, current_python, model,
-                               {"samples": 50000, "max_seq_len": 8192})
+                               {"samples": 50000, "max_seq_len": 8192, "dtype": "bfloat16"})
     r = run_inv("pipeline", "--plan", "--json", "--hosts", "planhost", "--inventory", str(inventory))
     assert r.returncode == 1, r.stdout + r.stderr
     p = json.loads(r.stdout)["planhost"]
@@ -57,6 +59,15 @@ def test_plan_sizes_kimi_k25_at_full_scale_and_says_it_does_not_fit(tmp_path, ss
     assert r.returncode == 0, r.stdout + r.stderr
     p = json.loads(r.stdout)["planhost"]
     assert p["verdict"] == "fits" and p["hidden_states"]["stored"] is False and p["hidden_states"]["online"] is True
+
+    # with pipeline.dtype auto the size follows the host: on a CPU host without GPUs whose CPU only
+    # emulates bf16 the current stages store float32 (the plan reads /proc/cpuinfo there), 2x the bytes
+    inventory.write_text(inventory.read_text().replace("  dtype: bfloat16\n", "").replace("  online: true\n", ""))
+    p = json.loads(run_inv("pipeline", "--plan", "--json", "--hosts", "planhost", "--inventory",
+                           str(inventory)).stdout)["planhost"]
+    native = bool(set(Path("/proc/cpuinfo").read_text().split()) & {"amx_bf16", "avx512_bf16", "bf16"})
+    assert p["hidden_states"]["dtype"] == ("bfloat16" if native else "float32"), p["hidden_states"]
+    assert p["hidden_states"]["bytes_per_token"] == 4 * 7168 * (2 if native else 4)
 
 
 def _fake_prepare(workdir, run_id: str, samples: int, tokens: int) -> None:

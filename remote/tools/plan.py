@@ -160,6 +160,7 @@ def main(spec):
     return {
         "speculators": probe.package_version("speculators"),
         "gpus": probe.gpus(),
+        "native_bf16": probe.native_bf16(),
         "disk": probe.disk(workdir),
         "model": model_shape(spec.get("model")),
         "runs": run_states(workdir, spec.get("run_ids") or []),

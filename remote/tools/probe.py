@@ -90,6 +90,17 @@ def _nvidia_smi(args):
     return [[c.strip() for c in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
 
 
+def native_bf16():
+    """Whether the CPU multiplies bf16 in hardware (x86 AMX or AVX512-BF16, Arm's BF16); without it torch
+    and vLLM emulate bf16, and the current stages compute and store hidden states in float32."""
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
 def gpus():
     """GPUs and their processes, or None when the host has no NVIDIA driver."""
     rows = _nvidia_smi(["--query-gpu=index,uuid,name,memory.used,memory.total,driver_version",

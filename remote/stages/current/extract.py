@@ -4,9 +4,10 @@ Reads prepare's ``dataset/``. Starts a vLLM server for the target on the host wi
 KV-transfer configs speculators documents for offline data (method ``extract_hidden_states``, the
 ``ExampleHiddenStatesConnector`` writing safetensors files; stages/lib/vllm_server.py), and runs
 ``speculators generate-offline-data`` against it: one ``max_tokens=1`` completion per sample, its
-hidden states moved to ``hidden_states/hs_{i}.safetensors`` = ``{"hidden_states": (seq, L, hidden)
-in the server's dtype (pipeline.dtype: auto is float32 on a CPU, the model's on GPUs), "token_ids": (seq,)}``, checked by speculators (``--validate-outputs``: token ids equal the
-sample's, rows equal tokens, finite values).
+hidden states moved to ``hidden_states/hs_{i}.safetensors`` = ``{"hidden_states": (seq, L, hidden),
+"token_ids": (seq,)}``, checked by speculators (``--validate-outputs``: token ids equal the sample's, rows
+equal tokens, finite values). The states are in the server's dtype (common.vllm_dtype: float32 on a CPU
+that only emulates bf16, else the model's), which extract.json records.
 
 Layers, in vLLM's convention (id i: the input of decoder layer i, i.e. the output of layer i-1; id n:
 the last layer's output): ``pipeline.target_layer_ids`` (default speculators' [2, n//2, n-3]) feed the
