@@ -173,6 +173,17 @@ def current_python(tmp_path_factory) -> Path:
     return harness_venv(tmp_path_factory, "current", CURRENT_PYTHON_ENV, {"profile": "cpu"}, patch=True)
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 AMX or AVX512-BF16, Arm's BF16): where it does
+    not, the current stages and a managed server with a draft compute in float32 (the same flags as
+    remote/stages/common.py's cpu_has_native_bf16)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text(errors="replace").split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
 def chain_acceptance(metrics: dict) -> float:
     """The acceptance length that evaluate's per-position rates imply: a step accepts draft token s only if
     it accepted every one before it, so E[accepted + 1] = 1 + sum over s of the product of rates 0..s.

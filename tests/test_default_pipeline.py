@@ -15,21 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, chain_acceptance, free_port, run_inv
+from conftest import REPO, chain_acceptance, free_port, native_bf16, run_inv
 from harness import pipeline
 
 #: the held-out acceptance length (k = 3, 64 prompts) below which the shipped settings have regressed: they
 #: measure 1.87-1.93 (bench/pipeline.py; training is deterministic, vLLM's regenerated replies vary a little)
 ACCEPTANCE_BAR = 1.8
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16), as vLLM's CPU backend assumes."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
 # The default job is sized to the issue's 15-minute bar on a 2-core machine with native bf16 (9-12 min

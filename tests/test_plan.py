@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import run_inv, write_inventory
+from conftest import native_bf16, run_inv, write_inventory
 from models import KIMI_K25_CONFIG, build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -65,7 +64,7 @@ def test_plan_sizes_kimi_k25_at_full_scale_and_says_it_does_not_fit(tmp_path, ss
     inventory.write_text(inventory.read_text().replace("  dtype: bfloat16\n", "").replace("  online: true\n", ""))
     p = json.loads(run_inv("pipeline", "--plan", "--json", "--hosts", "planhost", "--inventory",
                            str(inventory)).stdout)["planhost"]
-    native = bool(set(Path("/proc/cpuinfo").read_text().split()) & {"amx_bf16", "avx512_bf16", "bf16"})
+    native = native_bf16()
     assert p["hidden_states"]["dtype"] == ("bfloat16" if native else "float32"), p["hidden_states"]
     assert p["hidden_states"]["bytes_per_token"] == 4 * 7168 * (2 if native else 4)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, native_bf16
 from tests.models import build_tiny_model
 
 REMOTE = REPO / "remote"
@@ -73,8 +73,7 @@ def test_extract_equals_a_transformers_forward(extracted, current_python, tiny):
     meta = json.loads((extracted / "runs/extract-1/artifacts/extract.json").read_text())
     assert meta["backend"] == "vllm" and meta["captured_layer_ids"] == [2, 4, 5, 8]
     # pipeline.dtype auto: float32 on a CPU that only emulates bf16 (about twice as fast), else the model's
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    want_dtype = "bfloat16" if flags & {"amx_bf16", "avx512_bf16", "bf16"} else "float32"
+    want_dtype = "bfloat16" if native_bf16() else "float32"
     assert meta["dtype"] == want_dtype, meta
     check = f"""
 import json, torch

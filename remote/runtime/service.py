@@ -390,11 +390,7 @@ def serve(workdir):
 
     accelerator = torch.accelerator.current_accelerator() is not None
     argv = server_argv(service.config, path, service.draft(), accelerator, common.cpu_has_native_bf16())
-    if not accelerator and (os.cpu_count() or 1) <= 2:
-        # vLLM keeps one core of a CPU host for its engine loop; on two, its model runner on the other
-        # single one is the slower server (measured without a draft: 19.1 tokens/s with both cores
-        # against 17.1): let the runner have both unless the env file says otherwise
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    common.vllm_cpu_env(os.environ, accelerator)  # on two cores both for the model runner (exec keeps it)
     print("@@service exec: %s" % " ".join(shlex.quote(a) for a in argv), flush=True)
     os.execvp(argv[0], argv)  # the inventory's python may be a bare name (python3): PATH finds it
 
