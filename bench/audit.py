@@ -102,7 +102,7 @@ def main() -> None:
         try:
             kh = tmp / "known_hosts"
             kh.write_text("".join(h.known_hosts_line + "\n" for h in hosts))
-            inv = {"hosts": {h.name: h.entry(known_hosts=str(kh), user=args.user, python=python, workdir="/tmp/eh-bench")
+            inv = {"hosts": {h.name: h.entry(known_hosts=str(kh), user=args.user, python=python, workdir=f"/tmp/{args.user}-harness")
                              for h in hosts}}
             (tmp / "inventory.yaml").write_text(yaml.safe_dump(inv))
             ini = ["[gpu]"] + [
@@ -115,7 +115,7 @@ def main() -> None:
                 "tasks": [{"name": "probe", "ansible.builtin.script": {
                     "cmd": str(probe_bundle(tmp)), "executable": python}}],
             }]))
-            env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_REMOTE_TMP="/tmp/eh-bench-ansible", ANSIBLE_FORKS=str(args.hosts),
+            env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_REMOTE_TMP=f"/tmp/{args.user}-ansible", ANSIBLE_FORKS=str(args.hosts),
                        ANSIBLE_SSH_ARGS=f"-o UserKnownHostsFile={kh} -o ControlMaster=no",
                        ANSIBLE_NOCOLOR="1", ANSIBLE_CONFIG=str(tmp / "none.cfg"))
             ours = [sys.executable, "-m", "invoke", "--search-root", str(REPO), "audit", "--json",
