@@ -39,6 +39,9 @@ def render(results) -> None:
         t.add_column("fact")
         t.add_column("value", overflow="fold")
         t.add_row("python", s["python_path"])
+        bf16 = ("native" if s.get("native_bf16") else
+                "emulated (without GPUs the current stages compute in float32, pipeline.dtype auto)")
+        t.add_row("CPU", f"{s['arch']}, {s['cpus']} cores, bf16 {bf16}")
         t.add_row("packages", "  ".join(f"{k} {v or '-'}" for k, v in pk.items()))
         t.add_row("speculators at", r.get("speculators_path") or "-")
         gpus = r.get("gpus")

@@ -71,7 +71,7 @@ def test_audit_lists_gpus_their_processes_disk_env_and_system(guarded, tmp_path)
     import os
     import shutil
 
-    from conftest import run_inv
+    from conftest import native_bf16, run_inv
 
     inv, connect, code, svc = guarded(gpus=2)
     (tmp_path / "wd").mkdir(exist_ok=True)
@@ -91,6 +91,7 @@ def test_audit_lists_gpus_their_processes_disk_env_and_system(guarded, tmp_path)
     assert h["system"]["kernel"] == os.uname().release
     pretty = next(l.split("=", 1)[1].strip().strip('"') for l in open("/etc/os-release") if l.startswith("PRETTY_NAME="))
     assert h["system"]["os"] == pretty
+    assert h["system"]["cpus"] == os.cpu_count() and h["system"]["native_bf16"] is native_bf16()
 
 
 def test_guard_stops_service_runs_stage_then_restores(guarded, tmp_path):

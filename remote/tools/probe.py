@@ -63,6 +63,7 @@ def os_facts():
         "python": sys.version.split()[0],  # platform.python_version(): "3.11.2", "3.13.0rc1"
         "python_path": sys.executable,
         "cpus": os.cpu_count(),
+        "native_bf16": native_bf16(),  # without it the current stages compute in float32 on a host without GPUs
     }
 
 
