@@ -9,6 +9,7 @@ the file, the field path and the line it is on, e.g.::
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 from pathlib import Path
@@ -197,6 +198,10 @@ def _default(name: str, **constraints: Any) -> Any:
     return Field(default=value, **constraints)
 
 
+#: speculators 0.9's training losses (``speculators.losses.utils``), the names ``--loss-fn`` takes
+LOSS_FNS = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
+
+
 class PipelineSpec(_Strict):
     """Settings of the four stages plus evaluation, of both generations (a setting one generation's
     stages do not read is ignored on its hosts). Each default is the one the stage that reads the
@@ -244,6 +249,12 @@ class PipelineSpec(_Strict):
     scheduler: Literal["linear", "cosine", "none"] = _default("scheduler")
     #: current: the draft's attention in training (auto: sdpa on CPU, simple_flex_attention on GPUs)
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
+    #: current: the positions train's loss covers: assistant (speculators' mask: the replies) or all
+    #: (the prompts' too; the draft is distilled from the target's distribution at every position)
+    loss_tokens: Literal["assistant", "all"] = _default("loss_tokens")
+    #: current: speculators' training loss (--loss-fn: kl_div, tv, nla, lk_hybrid, ce, or a JSON blend
+    #: such as '{"ce": 0.1, "tv": 0.9}'); unset: speculators' own default for EAGLE-3 (kl_div)
+    loss_fn: str | None = _default("loss_fn")
     ttt_steps: int = _default("ttt_steps", ge=1)
     #: TTT steps after the first read the verified next token (speculators' use_off_policy_tokens)
     #: rather than the draft's own guess: a chain only goes on past an accepted token, which equals it
@@ -255,6 +266,24 @@ class PipelineSpec(_Strict):
     vllm_spec_decode: bool = _default("vllm_spec_decode")
     seed: int = _default("seed")
     extra: dict[str, Any] = _default("extra")
+
+    @field_validator("loss_fn")
+    @classmethod
+    def _loss_fn_names(cls, v: str | None) -> str | None:
+        """speculators' own loss names, alone or as a JSON blend of positive weights: a typo is one line
+        here rather than speculators' traceback after the stage has stopped the production server."""
+        if v is None:
+            return v
+        try:
+            blend = json.loads(v) if v.lstrip().startswith("{") else {v: 1.0}
+        except ValueError as e:
+            raise ValueError(f"not a loss name nor a JSON blend ({e})") from None
+        for name, weight in blend.items():
+            if name not in LOSS_FNS:
+                raise ValueError(f"unknown loss {name!r} (speculators has {', '.join(LOSS_FNS)})")
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
+                raise ValueError(f"loss {name!r} has weight {weight!r}: a positive number")
+        return v
 
 
 HostSpec.model_rebuild()

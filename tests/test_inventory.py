@@ -18,6 +18,10 @@ CASES = {
     "bad transport": ("hosts:\n  gpu1:\n    transport: telnet\n    address: x\n", ":3: hosts.gpu1.transport: Input should be 'ssh' or 'local'"),
     "bad model field": ("hosts:\n  l:\n    transport: local\nmodel:\n  path: m\n  trust_remote: true\n", ":6: model.trust_remote: unknown field"),
     "not a mapping": ("- a\n- b\n", ":1: the inventory must be a mapping"),
+    "unknown loss": ("hosts:\n  l:\n    transport: local\npipeline:\n  loss_fn: kl\n",
+                     ":5: pipeline.loss_fn: unknown loss 'kl' (speculators has kl_div, rkl"),
+    "bad loss blend": ("hosts:\n  l:\n    transport: local\npipeline:\n  loss_fn: '{\"ce\": 0.1, \"tv\": -1}'\n",
+                       ":5: pipeline.loss_fn: loss 'tv' has weight -1: a positive number"),
 }
 
 

@@ -128,8 +128,11 @@ def test_extract_rerun_regenerates_missing_and_unreadable_files(extracted, curre
 
 @pytest.mark.timeout(1800)
 def test_train_writes_a_checkpoint_speculators_and_vllm_read(extracted, current_python, tiny):
+    """A 0.9 checkpoint that speculators and vLLM's config loader read, trained on every position
+    (pipeline.loss_tokens all): speculators reads a copy of prepare's rows whose loss mask is all ones,
+    and prepare's own dataset keeps its mask of the replies."""
     for stage in ("vocab", "train"):
-        proc = run_stage(current_python, extracted, stage, tiny)
+        proc = run_stage(current_python, extracted, stage, tiny, loss_tokens="all", loss_fn='{"kl_div": 0.9, "tv": 0.1}')
         assert proc.returncode == 0, (stage, proc.stdout[-3000:], proc.stderr[-3000:])
     trained = result(extracted, "train")
     assert trained["steps"] > 0 and trained["loss"] > 0
@@ -154,6 +157,21 @@ print(json.dumps({{"layers": draft.config.eagle_aux_hidden_state_layer_ids, "voc
     assert got["mlp"] == PIPELINE["draft_intermediate_size"]  # the narrowed decoder config (--draft-config)
     args = json.loads((extracted / "runs/train-1/artifacts/metrics.json").read_text())["config"]["args"]
     assert args[args.index("--scheduler-type") + 1] == "cosine" and "--num-layers" not in args
+    assert args[args.index("--loss-fn") + 1] == '{"kl_div": 0.9, "tv": 0.1}'  # speculators' own blend syntax
+    masks = f"""
+import json
+from datasets import load_from_disk
+ours, theirs = load_from_disk({args[args.index("--data-path") + 1]!r}), load_from_disk({str(extracted / "runs/prepare-1/artifacts/dataset")!r})
+print(json.dumps({{"ids": [r["input_ids"].tolist() for r in ours] == [r["input_ids"].tolist() for r in theirs],
+                  "all": all(bool(r["loss_mask"].all()) for r in ours), "format": ours.format["type"],
+                  "prepared": [int(r["loss_mask"].sum()) < len(r["loss_mask"]) for r in theirs]}}))
+"""
+    proc = subprocess.run([str(current_python), "-c", masks], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got_masks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert args[args.index("--data-path") + 1] == str(extracted / "runs/train-1/dataset-all")
+    assert got_masks["ids"] and got_masks["all"] and got_masks["format"] == "torch"
+    assert all(got_masks["prepared"]), "prepare's own rows mask every prompt out"
     assert got["vllm"]["num_speculative_tokens"] == 3 and got["vllm"]["method"] == "eagle3", got["vllm"]
 
 

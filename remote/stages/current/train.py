@@ -10,7 +10,9 @@ given as ``--draft-config``), ``pipeline.ttt_steps``
 test-time-training steps (speculators 0.9 feeds steps > 0 the verified token, and the checkpoint
 proposes that many tokens), ``pipeline.train_seq_len`` tokens per packed batch, ``pipeline.epochs``,
 ``pipeline.lr`` with ``pipeline.optimizer`` and ``pipeline.scheduler``, and ``1 - pipeline.val_fraction`` of the samples for
-training (the rest for its validation pass).
+training (the rest for its validation pass). ``pipeline.loss_tokens`` all trains on every position, the
+prompts' too, rather than speculators' mask of the replies (``every_position_dataset``); the validation
+pass then scores every position as well.
 
 Devices: one process on the CPU or a GPU, in this process (its metrics logged on ``speculators.metrics``
 become metrics.json and loss.png); with ``pipeline.gpus`` > 1, or on several hosts as one job
@@ -62,6 +64,8 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "val_fraction": 0.1,           # samples held out for the trainer's validation pass
     "ttt_steps": 3,                # test-time-training steps (the tokens the checkpoint proposes)
     "ttt_step_loss_decay": 1.0,    # TTT step s's loss weighs decay ** s
+    "loss_tokens": "assistant",    # positions trained on: assistant (speculators' loss mask: the replies) or all
+    "loss_fn": None,               # speculators' --loss-fn (kl_div, tv, nla, lk_hybrid, ce, a JSON blend); unset: its own (kl_div)
     "seed": 0,                     # initialisation, packing, the train/validation split
     "gpus": 1,                     # GPUs for training: > 1 runs speculators' trainer under torchrun
     "draft_attn_impl": "auto",     # the draft's attention: auto (sdpa on CPU, simple_flex_attention on GPUs)
@@ -122,9 +126,29 @@ def linked_hidden_states(dirs: list[Path], where: Path) -> Path:
     return where
 
 
+def every_position_dataset(prepared: Path, where: Path) -> Path:
+    """prepare's dataset with every position in the loss (``pipeline.loss_tokens`` all), written to
+    ``where``: the same rows, ``loss_mask`` all ones. The draft is distilled from the target's own
+    distribution at each position (speculators scores it against the verifier's logits there, not the
+    next token), so a prompt's positions are training signal too, and extract already captured their
+    hidden states: more to learn from, at no extra extraction, and no extra cost a step (a packed batch
+    runs every position whatever the mask says). Outside the artifacts: derived, so neither hashed nor
+    pulled; rebuilt the same on a resumed run."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(prepared / "dataset"))
+    fmt = ds.format
+    ds = ds.with_format(None).map(lambda row: {"loss_mask": [1] * len(row["input_ids"])})
+    ds.set_format(fmt["type"], columns=fmt["columns"], output_all_columns=fmt["output_all_columns"])
+    shutil.rmtree(where, ignore_errors=True)
+    ds.save_to_disk(str(where))
+    return where
+
+
 def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_gpu: bool, hidden_states: str,
-               draft_config_path: str | None = None) -> list[str]:
-    """speculators' own training flags for this run (``meta``: the extraction's, see ``extraction``)."""
+               draft_config_path: str | None = None, data_path: str | None = None) -> list[str]:
+    """speculators' own training flags for this run (``meta``: the extraction's, see ``extraction``;
+    ``data_path``: the dataset to train on, prepare's unless given)."""
     vocab, prepared = common.input_dir(spec, "vocab"), common.input_dir(spec, "prepare")
     import numpy as np
 
@@ -133,13 +157,14 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
     args = [
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", common.model_dir(spec),
-        "--data-path", str(prepared / "dataset"),
+        "--data-path", data_path or str(prepared / "dataset"),
         "--hidden-states-path", hidden_states,
         "--target-layer-ids", *[str(i) for i in meta["target_layer_ids"]],
         "--draft-vocab-size", str(draft_vocab),
         "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
         *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
         "--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay),
+        *(["--loss-fn", cfg.loss_fn] if cfg.loss_fn else []),
         "--total-seq-len", str(cfg.train_seq_len),
         "--train-data-ratio", str(1.0 - cfg.val_fraction),
         "--epochs", str(cfg.epochs), "--lr", str(cfg.lr), "--optimizer", cfg.optimizer,
@@ -208,7 +233,11 @@ def main(spec: dict) -> dict:
     if cfg.draft_intermediate_size:
         config_path = out / "draft_config.json"
         draft_config(spec, cfg, config_path)
-    args = train_args(spec, cfg, meta, save_path, on_gpu, str(hidden_states), config_path and str(config_path))
+    data_path = None
+    if cfg.loss_tokens == "all":
+        data_path = str(every_position_dataset(common.input_dir(spec, "prepare"), Path(spec["run_dir"]) / "dataset-all"))
+    args = train_args(spec, cfg, meta, save_path, on_gpu, str(hidden_states), config_path and str(config_path),
+                      data_path)
     with contextlib.ExitStack() as stack:
         if cfg.online:
             from stages.lib.vllm_server import VllmServer, extract_configs, server_dtype
@@ -246,7 +275,8 @@ def main(spec: dict) -> dict:
     common.write_json(out / "metrics.json", {"train": tap.train, "val": tap.val, "config": {
         "epochs": cfg.epochs, "ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
         "lr": cfg.lr, "optimizer": cfg.optimizer, "scheduler": cfg.scheduler,
-        "draft_intermediate_size": cfg.draft_intermediate_size, "online": cfg.online, "args": args}})
+        "draft_intermediate_size": cfg.draft_intermediate_size, "online": cfg.online,
+        "loss_tokens": cfg.loss_tokens, "loss_fn": cfg.loss_fn, "args": args}})
     if tap.train:
         plot(tap, out / "loss.png")
     return {"epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
