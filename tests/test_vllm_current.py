@@ -70,6 +70,7 @@ def test_extract_equals_a_transformers_forward(extracted, current_python, tiny):
     float32's)."""
     prepared = result(extracted, "prepare")
     assert prepared["samples"] >= 10 and prepared["regenerated"] is True
+    assert isinstance(prepared["assistant_tokens"], int) and 0 < prepared["assistant_tokens"] < prepared["tokens"]
     meta = json.loads((extracted / "runs/extract-1/artifacts/extract.json").read_text())
     assert meta["backend"] == "vllm" and meta["captured_layer_ids"] == [2, 4, 5, 8]
     # pipeline.dtype auto: float32 on a CPU that only emulates bf16 (about twice as fast), else the model's

@@ -89,7 +89,7 @@ def main(spec: dict) -> dict:
         common.fail(STAGE, "no sample has an assistant token to train on; raise pipeline.max_seq_len or check the "
                            "dataset's replies (or set pipeline.regenerate: true)")
     tokens = sum(len(x) for x in dataset["input_ids"])
-    trained = sum(sum(m) for m in dataset["loss_mask"])
+    trained = sum(int(sum(m)) for m in dataset["loss_mask"])  # an int, not a tensor, in result.json
     common.progress(len(dataset), len(dataset), "samples")
     return {"samples": len(dataset), "conversations": len(train), "tokens": tokens, "assistant_tokens": trained,
             "heldout": len(held), "regenerated": cfg.regenerate, "seconds": timer()}
