@@ -566,3 +566,36 @@ def test_evaluate_matches_a_literal_speculative_decoding_loop(pipeline_run):
     assert metrics["acceptance_length"] == acceptance and metrics["prompts"] == PIPELINE["heldout"]
     literal = json.loads((Path(specs[-1]["run_dir"]) / "literal.json").read_text())
     assert literal == {"acceptance_length": acceptance, "steps": metrics["steps"]}
+
+
+def test_progress_lines_from_many_threads_stay_one_per_line():
+    """evaluate reports progress from the threads its requests finish on: every line the harness reads
+    must be one whole ``@@progress`` record (two glued into one line were shown raw to the user), and a
+    train whose step total is not known ahead reports 0 (no total) until its first epoch has ended."""
+    script = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from stages import common
+def burst(i):
+    for n in range(3000):
+        common.progress(n, 3000, f"unit {i}")
+        common.log(f"line {i} {n}")
+threads = [threading.Thread(target=burst, args=(i,)) for i in range(6)]
+[t.start() for t in threads]; [t.join() for t in threads]
+import logging
+from stages.lib.trainlog import MetricsTap
+tap = MetricsTap(0, epochs=3)
+lg = logging.getLogger("t"); lg.addHandler(tap); lg.setLevel(logging.INFO); lg.propagate = False
+for epoch, steps in enumerate((10, 12, 11)):
+    for _ in range(steps):
+        lg.info({"train": {"loss": 1.0}, "epoch": epoch, "lr": 1e-3})
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(REMOTE)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    progress = [json.loads(line[len("@@progress "):]) for line in lines if line.startswith("@@progress ")]
+    assert not [line for line in lines if "@@progress" in line[1:]], "two records on one line"
+    assert len(progress) == 6 * 3000 + 33 and len([line for line in lines if line.startswith("line ")]) == 6 * 3000
+    steps = progress[-33:]
+    assert [p["total"] for p in steps[:10]] == [0] * 10  # the first epoch: no estimate yet
+    assert steps[10]["total"] == 30 and steps[-1] == {"done": 33, "total": 33, "unit": "steps"}

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -123,12 +124,24 @@ def workdir(spec: dict) -> Path:
     return Path(spec["run_dir"]).resolve().parent.parent
 
 
+_STDOUT = threading.Lock()
+
+
+def _emit(line: str) -> None:
+    """One log line in one write, under a lock: ``print`` writes the text and its newline apart, so two
+    threads (evaluate's requests in flight) could glue two ``@@progress`` lines into one the harness no
+    longer parses, and the raw protocol showed in the user's log."""
+    with _STDOUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def progress(done: int, total: int, unit: str):
-    print("@@progress " + json.dumps({"done": int(done), "total": int(total), "unit": unit}), flush=True)
+    _emit("@@progress " + json.dumps({"done": int(done), "total": int(total), "unit": unit}))
 
 
 def log(message: str):
-    print(message, flush=True)
+    _emit(message)
 
 
 def write_json(path: Path, data) -> None:

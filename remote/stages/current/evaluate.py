@@ -25,6 +25,7 @@ Output: ``metrics.json`` (acceptance_length by vLLM, ``vllm`` and ``offline`` de
 """
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from stages import common
@@ -59,12 +60,13 @@ def served_with_draft(server: VllmServer, heldout: list, cfg) -> tuple[list, dic
     """Every held-out prompt through the server that runs the draft: the greedy continuations, and
     vLLM's spec-decode counters over exactly those requests."""
     before = specdecode.read(server.url)
-    done = [0]
+    done, counting = [0], threading.Lock()
 
     def one(messages):
         pair = continuation(server, messages, cfg.max_new_tokens)
-        done[0] += 1
-        common.progress(done[0], 2 * len(heldout), "prompts (vLLM with the draft, then offline)")
+        with counting:  # the requests finish on several threads: the count and its report in step
+            done[0] += 1
+            common.progress(done[0], 2 * len(heldout), "prompts (vLLM with the draft, then offline)")
         return pair
 
     with ThreadPoolExecutor(max_workers=max(1, cfg.concurrency)) as pool:
