@@ -154,7 +154,7 @@ class StageView:
         if line.startswith(PROGRESS):
             try:
                 p = json.loads(line[len(PROGRESS):])
-                done, total = p.get("done"), p.get("total")
+                done, total = p.get("done"), p.get("total") or None  # 0: not known yet (a pulsing bar)
             except (ValueError, AttributeError):
                 p = None
             if p is not None:

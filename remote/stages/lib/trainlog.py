@@ -20,9 +20,12 @@ def _number(value):
 class MetricsTap(logging.Handler):
     """Collects the dicts speculators' Trainer logs on ``speculators.metrics`` and prints progress."""
 
-    def __init__(self, total_steps: int):
+    def __init__(self, total_steps: int, epochs: int = 0):
+        """``total_steps`` when the caller knows it (0: not known ahead, as under speculators 0.9, whose
+        loader packs the batches); then the total is estimated from ``epochs`` once the first epoch ends."""
         super().__init__()
-        self.train, self.val, self.total = [], [], total_steps
+        self.train, self.val, self.total, self.epochs = [], [], total_steps, epochs
+        self._estimated, self._epoch_starts = not total_steps, {}
 
     def emit(self, record):
         entry = record.msg
@@ -35,10 +38,16 @@ class MetricsTap(logging.Handler):
             self.train.append({"step": getattr(record, "step", len(self.train)), "epoch": entry["epoch"],
                                "lr": entry["lr"], **entry["train"]})
             done = len(self.train)
-            self.total = max(self.total, done)  # the packing, hence the batch count, varies by epoch
+            self._epoch_starts.setdefault(entry["epoch"], done - 1)
+            if self._estimated and self.epochs and len(self._epoch_starts) > 1:
+                # the epochs so far, their mean length for the rest (the packing varies a little by epoch)
+                finished = len(self._epoch_starts) - 1
+                steps = self._epoch_starts[entry["epoch"]]  # those of the finished epochs
+                self.total = round(steps + steps / finished * max(0, self.epochs - finished))
+            self.total = max(self.total, done) if self.total else 0  # 0: no estimate yet, the bar has none
             common.progress(done, self.total, "steps")
-            if done % 20 == 0 or done == self.total:
-                common.log(f"step {done}/{self.total} loss {entry['train']['loss']:.4f} "
+            if done % 20 == 0 or done == 1 or (not self._estimated and done == self.total):
+                common.log(f"step {done}/{self.total or '?'} loss {entry['train']['loss']:.4f} "
                            f"acc0 {entry['train'].get('full_acc_0', 0):.3f}")
         elif "val" in entry:
             self.val.append({"epoch": entry["epoch"], **entry["val"]})

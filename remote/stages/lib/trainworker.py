@@ -18,7 +18,7 @@ def train_tapped(args: list[str]) -> MetricsTap:
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
-    tap = MetricsTap(0)
+    tap = MetricsTap(0, epochs=int(args[args.index("--epochs") + 1]) if "--epochs" in args else 0)
     # speculators' own logging setup replaces the handlers of its loggers (dictConfig) and gives the
     # root logger a rich console handler only when it has none: so the tap, and a plain handler for
     # the other log lines, go on the root logger first (the metric dicts propagate up to it)
