@@ -251,6 +251,8 @@ class Service:
             if _group_alive(pgid):
                 raise ServiceError("the server's process group %d survived SIGKILL" % pgid)
             os.remove(self.pidfile)
+            with open(self.log, "ab") as out:  # what the server logs as it is killed is not its last error
+                out.write(("\n@@service %s stopped\n" % time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())).encode())
             return {"stopped": True, "was_running": True}
         cmd = (self.config.get("commands") or {}).get("stop")
         if not cmd:
@@ -288,7 +290,8 @@ class Service:
             time.sleep(poll)
 
     def last_error(self):
-        """The last line of the server log that reads as an error (since the last start)."""
+        """The last line of the server log that reads as an error (since the last start); None when the
+        harness stopped the server since."""
         try:
             with open(self.log, "rb") as f:
                 f.seek(max(0, os.path.getsize(self.log) - (256 << 10)))
@@ -296,6 +299,8 @@ class Service:
         except OSError:
             return "no log"
         starts = [i for i, ln in enumerate(lines) if ln.startswith("@@service ")]
+        if starts and lines[starts[-1]].rstrip().endswith(" stopped"):
+            return None  # stopped on purpose: the errors vLLM logs as its engine is killed are not failures
         lines = lines[starts[-1] + 1:] if starts else lines
         errors = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
         return ((errors or [ln.strip() for ln in lines if ln.strip()] or ["no output"])[-1])[-300:]
@@ -309,7 +314,7 @@ class Service:
                "uptime_s": round(time.time() - rec["started_ts"], 1) if rec else None,
                "draft": self.draft(), "serving_draft": (rec or {}).get("draft") if self.managed else None,
                "log": self.log}
-        if self.managed and not running and os.path.exists(self.log):
+        if self.managed and not running and os.path.exists(self.log) and self.last_error():
             out["last_error"] = self.last_error()
         draft = self.draft()
         if draft:  # the deploy that installed it; "switching" with no job left means it was interrupted
