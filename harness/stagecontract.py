@@ -24,6 +24,8 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import marshal
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,8 +90,51 @@ class Contracts:
         return copy.deepcopy(out)
 
 
+#: ``_literals``' results between processes: parsing the stage files is ~20 ms of every command that
+#: loads the inventory (its defaults come from here), ``inv audit`` among them; a file whose size or
+#: mtime changed is parsed again
+LITERALS_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle-harness" / "stage-contracts.marshal"
+_parsed: dict[tuple, dict[str, tuple[Any, int]]] | None = None
+_used: dict[tuple, dict[str, tuple[Any, int]]] = {}
+
+
 def _literals(path: Path, names: tuple[str, ...]) -> dict[str, tuple[Any, int]]:
     """``name -> (value, line)`` of the module-level assignments ``name = <literal>`` in ``path``."""
+    global _parsed
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ContractError(f"{path}: cannot read the stage contract: {e}")
+    key = (str(path), st.st_size, st.st_mtime_ns, names)
+    if _parsed is None:
+        try:
+            _parsed = marshal.loads(LITERALS_CACHE.read_bytes())
+            assert isinstance(_parsed, dict)
+        except (OSError, ValueError, EOFError, TypeError, AssertionError):
+            _parsed = {}
+    if key in _parsed:
+        _used[key] = _parsed[key]
+        return copy.deepcopy(_parsed[key])
+    found = _parse_literals(path, names)
+    _used[key] = copy.deepcopy(found)
+    return found
+
+
+def _save_literals() -> None:
+    """Write the literals this process read (and only those: edited files' old entries go), when
+    they differ from what the cache held. A cache that cannot be written is no error."""
+    if _parsed is not None and _used == _parsed:
+        return
+    try:
+        LITERALS_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = LITERALS_CACHE.with_name(f".{LITERALS_CACHE.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(marshal.dumps(_used))
+        os.replace(tmp, LITERALS_CACHE)
+    except (OSError, ValueError):
+        pass
+
+
+def _parse_literals(path: Path, names: tuple[str, ...]) -> dict[str, tuple[Any, int]]:
     try:
         tree = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError) as e:
@@ -195,6 +240,7 @@ def _check_generations(stages_root: Path, loaded: dict[str, Contracts]) -> None:
 def _cached(stages_root: Path) -> dict[str, Contracts]:
     loaded = {g: _read(stages_root, g) for g in GENERATIONS}
     _check_generations(stages_root, loaded)
+    _save_literals()
     return loaded
 
 

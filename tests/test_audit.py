@@ -557,3 +557,29 @@ def test_patch_sets_name_the_exact_distribution(tmp_path, alias):
     out = subprocess.run([sys.executable, "-c", code, str(REMOTE), str(site)], capture_output=True, text=True,
                          check=True).stdout
     assert json.loads(out) == [None, ["0.16.0", str(site)], ["0.16.0", str(site)]]
+
+
+def test_patch_payloads_are_kept_on_disk_until_a_series_file_changes(tmp_path, monkeypatch):
+    """inv audit builds the patch payloads (every series' YAML, validated) once, not on every call: kept
+    under the cache directory by the series files' sizes and mtimes; an edit, or an unreadable copy, builds
+    them again, and only the newest copy stays."""
+    from harness import audit
+
+    monkeypatch.setattr(audit, "PAYLOAD_CACHE", tmp_path / "cache")
+    built = []
+
+    def build():
+        built.append(1)
+        return {"speculators": {"series": [len(built)]}}
+
+    assert audit._on_disk(("a", 1, 2), build) == {"speculators": {"series": [1]}}
+    assert audit._on_disk(("a", 1, 2), build) == {"speculators": {"series": [1]}} and len(built) == 1
+    assert audit._on_disk(("a", 1, 3), build) == {"speculators": {"series": [2]}}  # a file changed
+    files = list((tmp_path / "cache").glob("patch-payloads-*.json"))
+    assert len(files) == 1
+    files[0].write_text("{broken")
+    assert audit._on_disk(("a", 1, 3), build) == {"speculators": {"series": [3]}}
+    # the real payloads round-trip the cache unchanged
+    from harness import patches
+    real = audit._on_disk(("real",), patches.build_payloads)
+    assert audit._on_disk(("real",), lambda: None) == real == patches.build_payloads()

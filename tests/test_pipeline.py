@@ -6,12 +6,13 @@ PyPI (``--no-deps``), so the pipeline patches that copy and never the test runne
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import chain_acceptance, make_venv, run_inv, write_inventory
+from conftest import REPO, chain_acceptance, make_venv, run_inv, write_inventory
 from harness import pipeline
 from harness.errors import HarnessError
 from harness.inventory import load_inventory
@@ -373,3 +374,30 @@ def test_the_installed_speculators_line_picks_the_stages():
         assert e.value.kind == kind and str(e.value).startswith("host gpu1: ") and "\n" not in str(e.value)
         if version:
             assert f"speculators {version} is outside both lines" in str(e.value)
+
+
+def test_stage_contracts_cached_between_processes_follow_every_edit(tmp_path):
+    """The contracts' literals are kept on disk between commands (parsing the stage files is ~20 ms of
+    each); a stage file edited since is parsed again, and an unreadable cache is parsed around."""
+    import subprocess
+    import sys
+
+    root = _remote_copy(tmp_path)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    read = ("import sys; from harness import stagecontract; from pathlib import Path; "
+            "print(stagecontract.load(Path(sys.argv[1]), 'current').stages['train'].settings['loss_tokens'])")
+
+    def loss_tokens() -> str:
+        proc = subprocess.run([sys.executable, "-c", read, str(root)], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    cache = tmp_path / "cache" / "eagle-harness" / "stage-contracts.marshal"
+    assert loss_tokens() == "assistant" and cache.is_file()
+    assert loss_tokens() == "assistant"  # from the cache
+    train = root / "stages" / "current" / "train.py"
+    train.write_text(train.read_text().replace('"loss_tokens": "assistant",', '"loss_tokens": "all",', 1))
+    assert loss_tokens() == "all"
+    cache.write_bytes(b"not marshal")
+    assert loss_tokens() == "all"
