@@ -3,6 +3,7 @@
 Everything here runs on the workstation and never imports torch; the code that runs on a host lives
 in the sibling ``remote`` tree and is shipped there (see ``harness.connection.HostConnection.run_script``).
 """
+import os
 from pathlib import Path
 
 #: The repository root: templates/, patches/ and remote/ are found relative to it.
@@ -16,3 +17,19 @@ BUNDLE_DIRS = ("runtime", "stages")
 REQUIREMENTS_DIR = REMOTE_DIR / "requirements"
 TEMPLATES_DIR = ROOT / "templates"
 PATCHES_DIR = ROOT / "patches"
+#: the workstation's cache: wheels downloaded for patch checks, and what is derived from this repository's
+#: files and kept between commands (each keyed by the files' sizes and mtimes, rebuilt when one changes)
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle-harness"
+
+
+def write_cache(path: Path, data: bytes) -> bool:
+    """``data`` to ``path`` under ``CACHE_DIR`` atomically (a reader never sees half a file); False, and
+    no error, when it cannot be written: a cache is an optimisation."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import CACHE_DIR, write_cache
 from harness.connection import open_host
 from harness.errors import HarnessError
 from harness.inventory import HostSpec, Inventory
@@ -120,7 +120,7 @@ def _patch_payload() -> dict[str, dict[str, Any]]:
 
 
 #: where ``_patch_payload`` keeps the payloads between runs (rebuilt whenever a series file changes)
-PAYLOAD_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle-harness"
+PAYLOAD_CACHE = CACHE_DIR
 
 
 def _on_disk(key: tuple, build) -> dict[str, Any]:
@@ -133,16 +133,10 @@ def _on_disk(key: tuple, build) -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     payloads = build()
-    try:
-        PAYLOAD_CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(payloads))
-        os.replace(tmp, path)
+    if write_cache(path, json.dumps(payloads).encode()):
         for old in PAYLOAD_CACHE.glob("patch-payloads-*.json"):
             if old != path:
                 old.unlink(missing_ok=True)
-    except OSError:
-        pass
     return payloads
 
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from harness import PATCHES_DIR, TOOLS_DIR
+from harness import CACHE_DIR, PATCHES_DIR, TOOLS_DIR
 from harness.connection import REMOTE_DEPS, open_host
 from harness.errors import HarnessError, HostUnreachable
 from harness.inventory import line_of as yaml_line_of
 from harness.parallel import on_hosts
 from harness.results import HostResults
 
-WHEEL_CACHE = Path("~/.cache/eagle-harness/wheels").expanduser()
+WHEEL_CACHE = CACHE_DIR / "wheels"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 #: the package the stages depend on: a host must have a series for its installed version
 PRIMARY = "speculators"

@@ -25,12 +25,11 @@ import ast
 import copy
 import functools
 import marshal
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import REMOTE_DIR
+from harness import CACHE_DIR, REMOTE_DIR, write_cache
 from harness.errors import HarnessError
 
 #: the stage generations, one per speculators line: remote/stages/<generation>/
@@ -93,7 +92,7 @@ class Contracts:
 #: ``_literals``' results between processes: parsing the stage files is ~20 ms of every command that
 #: loads the inventory (its defaults come from here), ``inv audit`` among them; a file whose size or
 #: mtime changed is parsed again
-LITERALS_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle-harness" / "stage-contracts.marshal"
+LITERALS_CACHE = CACHE_DIR / "stage-contracts.marshal"
 _parsed: dict[tuple, dict[str, tuple[Any, int]]] | None = None
 _used: dict[tuple, dict[str, tuple[Any, int]]] = {}
 
@@ -126,12 +125,10 @@ def _save_literals() -> None:
     if _parsed is not None and _used == _parsed:
         return
     try:
-        LITERALS_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        tmp = LITERALS_CACHE.with_name(f".{LITERALS_CACHE.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(marshal.dumps(_used))
-        os.replace(tmp, LITERALS_CACHE)
-    except (OSError, ValueError):
-        pass
+        data = marshal.dumps(_used)
+    except ValueError:  # a literal marshal cannot write: no cache, nothing else changes
+        return
+    write_cache(LITERALS_CACHE, data)
 
 
 def _parse_literals(path: Path, names: tuple[str, ...]) -> dict[str, tuple[Any, int]]:
