@@ -27,7 +27,7 @@ ACCEPTANCE_BAR = 1.8
 # there). Without it the stages compute in float32 and the job took about 24 minutes on two cores
 # with 1100 samples and 4 epochs (prepare 6.6, extract 4.2, train 10.1, evaluate 2.8; ~28 with 1136 and 5), more than what the suite's budget has left
 # beside both stacks' tests: there bench/pipeline.py runs it.
-@pytest.mark.skipif(not native_bf16(), reason="the default job takes ~24 min on a CPU without native bf16 "
+@pytest.mark.skipif(not native_bf16(), reason="the default job takes ~28 min on a CPU without native bf16 "
                                               "(AMX/AVX512-BF16), beyond the suite's budget; run bench/pipeline.py")
 @pytest.mark.timeout(4200)
 def test_default_pipeline_on_smollm2(tmp_path, current_python):
