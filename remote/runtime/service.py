@@ -314,8 +314,9 @@ class Service:
                "uptime_s": round(time.time() - rec["started_ts"], 1) if rec else None,
                "draft": self.draft(), "serving_draft": (rec or {}).get("draft") if self.managed else None,
                "log": self.log}
-        if self.managed and not running and os.path.exists(self.log) and self.last_error():
-            out["last_error"] = self.last_error()
+        error = self.last_error() if self.managed and not running and os.path.exists(self.log) else None
+        if error:
+            out["last_error"] = error
         draft = self.draft()
         if draft:  # the deploy that installed it; "switching" with no job left means it was interrupted
             rec = read_json(os.path.join(self.workdir, "deploys", draft.get("deploy_id", "?"), "deploy.json")) or {}
