@@ -244,12 +244,56 @@ def fabric_connection(ep: Endpoint, timeout: float, gateway: "fabric.Connection 
     return conn, policy
 
 
+class _PromptSocket(socket.socket):
+    """A TCP socket that neither holds back our small packets nor delays its ACKs of the host's.
+
+    An SSH exchange is a train of small packets, which is what Nagle's algorithm and delayed ACKs
+    are worst at: paramiko's socket has neither TCP_NODELAY nor quick ACKs, so each key-exchange step
+    and then the first channel opened (sshd sends two small messages after authentication, and holds
+    the channel's confirmation back, by Nagle, until they are acknowledged) waited out the kernel's
+    40 ms delayed-ACK timer: a connection took 76 ms and its first command 44 ms more on loopback,
+    against 40 and ~1 with these options. TCP_QUICKACK is not sticky, so it is set again after each
+    read (Linux only; elsewhere only TCP_NODELAY applies)."""
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        data = super().recv(bufsize, flags)
+        if _QUICKACK is not None and data:
+            try:
+                self.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+            except OSError:
+                pass
+        return data
+
+
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)
+
+
+def prompt_connection(hostname: str, port: int, timeout: float) -> socket.socket:
+    """``socket.create_connection`` for SSH: a ``_PromptSocket`` with TCP_NODELAY set."""
+    plain = socket.create_connection((hostname, port), timeout=timeout)
+    sock = _PromptSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+    sock.settimeout(timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+    return sock
+
+
 def _open(ep: Endpoint, timeout: float, gateway=None):
     """Open ``ep``'s Fabric connection, turning every failure into one line that names the host."""
     conn, policy = fabric_connection(ep, timeout, gateway)
     name = ep.host.name
     try:
-        conn.open()
+        if gateway is None:  # through a jump host the connection rides that host's channel instead
+            conn.connect_kwargs["sock"] = prompt_connection(ep.hostname, ep.port, timeout)
+        try:
+            conn.open()
+        except BaseException:
+            conn.client.close()
+            if gateway is None:
+                conn.connect_kwargs["sock"].close()
+            raise
     except paramiko.BadHostKeyException as e:
         raise HostKeyError(
             f"host {name}: HOST KEY CHANGED for {known_hosts_name(ep.hostname, ep.port)}: it offered "
@@ -554,7 +598,7 @@ def scan_host_key(host: HostSpec, inv: Inventory | None = None, timeout: float =
     try:
         if sock is None:
             try:
-                sock = socket.create_connection((ep.hostname, ep.port), timeout=timeout)
+                sock = prompt_connection(ep.hostname, ep.port, timeout)
             except OSError as e:
                 raise HostUnreachable(f"host {host.name}: unreachable: {ep.hostname}:{ep.port}: {e.strerror or e}")
         t = paramiko.Transport(sock)

@@ -163,6 +163,28 @@ def test_pinned_host_key(sshd, tmp_path):
         open_host(inv.hosts["gpu1"], inv)
 
 
+def test_first_command_does_not_wait_for_a_delayed_ack(sshd, tmp_path):
+    """sshd sends two small messages after authentication and holds the first channel's confirmation
+    back (Nagle) until they are acknowledged; a socket with delayed ACKs made every connection's first
+    command wait out the kernel's 40 ms timer (on Linux, at least 40 ms on any machine) before the host
+    even started it. Measured as the quickest of five fresh connections' channel opens, which load on
+    the machine can only slow (the command itself runs the user's shell and rc files: not timed)."""
+    import time
+
+    inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry()}))
+    opens = []
+    for _ in range(5):
+        with open_host(inv.hosts["gpu1"], inv) as conn:
+            transport = conn.client.get_transport()
+            assert transport.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            t0 = time.perf_counter()
+            chan = transport.open_session(timeout=10)
+            opens.append(time.perf_counter() - t0)
+            chan.close()
+            assert conn.exec("echo ok").stdout == "ok\n"
+    assert min(opens) < 0.02, [round(t * 1000, 1) for t in opens]
+
+
 def test_unreachable_port_reported_and_others_continue(sshd, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
