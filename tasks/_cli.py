@@ -6,7 +6,9 @@ pydantic, paramiko and jinja2 load only when a task runs.
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import json
 import sys
 import threading
@@ -26,6 +28,12 @@ COMMON_HELP = {
 PROGRESS = "@@progress "
 
 _consoles: dict[str, Any] = {}
+
+# At exit the interpreter's last garbage collections walk every object of every module a task loaded
+# (pydantic, paramiko, cryptography, rich): ~90 ms of a 0.8 s ``inv audit`` on a 2-core host, spent
+# after the answer is printed. Frozen objects are skipped by those passes; the modules are still torn
+# down and the streams flushed as usual.
+atexit.register(gc.freeze)
 
 
 def console(name: str = "out"):
