@@ -185,6 +185,34 @@ def test_first_command_does_not_wait_for_a_delayed_ack(sshd, tmp_path):
     assert min(opens) < 0.02, [round(t * 1000, 1) for t in opens]
 
 
+def test_known_hosts_hashed_among_others(sshd, tmp_path):
+    """A workstation's known_hosts: names hashed by OpenSSH (ssh-keygen -H, Debian's default), many other
+    hosts, a line of another host that does not decode. Only this host's lines are read: the host is
+    verified, the others cost nothing and the bad one is not ours to mind. A bad line for this host is
+    one line naming the file and its line number, and no connection is made."""
+    kh = tmp_path / "known_hosts"
+    other = keygen(tmp_path / "other")
+    kh.write_text("".join(f"gpu{i}.cluster.example {other}\n" for i in range(200)) + sshd.known_hosts_line + "\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    assert "127.0.0.1" not in kh.read_text()
+    kh.write_text(kh.read_text() + "broken.example ssh-ed25519 AAAA!!notbase64\n")
+    inv = load_inventory(write_inventory(tmp_path, {"gpu1": sshd.entry(known_hosts=str(kh))}))
+    with open_host(inv.hosts["gpu1"], inv) as conn:
+        assert conn.exec("echo verified").stdout == "verified\n"
+    # another host's key under this host's hashed name: refused as a changed key
+    lines = kh.read_text().splitlines()
+    ours = next(i for i, l in enumerate(lines) if l.split()[2] == sshd.host_key.split()[1])
+    name_field = lines[ours].split()[0]
+    kh.write_text("\n".join(lines[:ours] + [f"{name_field} {other}"] + lines[ours:]) + "\n")
+    with pytest.raises(HostKeyError, match="HOST KEY CHANGED"):
+        open_host(inv.hosts["gpu1"], inv)
+    # this host's own line does not decode
+    kh.write_text("\n".join(lines[:ours] + [f"{name_field} ssh-ed25519 AAAA!!notbase64"] + lines[ours:]) + "\n")
+    with pytest.raises(HarnessError) as e:
+        open_host(inv.hosts["gpu1"], inv)
+    assert f"{kh}:{ours + 1}:" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_unreachable_port_reported_and_others_continue(sshd, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
