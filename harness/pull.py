@@ -367,6 +367,35 @@ def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Meter, do
     return done, moved
 
 
+_LINK_ERRORS = (OSError, EOFError, paramiko.SSHException)
+
+
+class _QuietPrefetch:
+    """While an SFTP pull runs: paramiko's prefetch thread (it sends a file's read requests) dies with a
+    traceback on stderr when the link drops under it. The pull itself reports the dropped link in one
+    line, so that thread's link errors are not printed; every other thread's exception still is."""
+
+    def __enter__(self):
+        self._previous = threading.excepthook
+
+        def hook(args, previous=self._previous):
+            if args.thread is not None and args.thread.name.endswith("(_prefetch_thread)") \
+                    and issubclass(args.exc_type, _LINK_ERRORS):
+                return
+            previous(args)
+
+        threading.excepthook = hook
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:  # the link dropped: let the prefetch threads die while still quiet
+            deadline = time.monotonic() + 2
+            for t in threading.enumerate():
+                if t.name.endswith("(_prefetch_thread)"):
+                    t.join(max(0.0, deadline - time.monotonic()))
+        threading.excepthook = self._previous
+
+
 def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, digests: dict) -> int:
     """SFTP with prefetch (many read requests in flight), resuming from the partial file's size. A
     link that drops mid-file is reported as such: the partial stays, and the next pull resumes it."""
@@ -383,11 +412,12 @@ def _sftp(conn, remote_dir, todo, files, staging: Path, bar: _Meter, bwlimit, di
 
     try:
         sftp = conn.client.open_sftp()
-        for rel in todo:
-            size = files[rel]["size"]
-            done, n = _copy_resuming(rel, size, staging, opener(rel, size), bar, done, digests)
-            moved += n
-    except (OSError, EOFError, paramiko.SSHException) as e:
+        with _QuietPrefetch():
+            for rel in todo:
+                size = files[rel]["size"]
+                done, n = _copy_resuming(rel, size, staging, opener(rel, size), bar, done, digests)
+                moved += n
+    except _LINK_ERRORS as e:
         raise HarnessError(f"host {conn.name}: SFTP pull failed ({str(e) or type(e).__name__}); "
                            "run the pull again to resume") from None
     finally:
