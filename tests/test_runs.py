@@ -227,10 +227,17 @@ def test_logs_follow_cli_detaches_on_ctrl_c_and_reattaches_across_a_drop(host, s
     assert runs.status(conn, "cli")["state"] == "running"  # Ctrl-C detached; it did not stop the run
 
     second = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    printed2: list[str] = []
+    reader2 = threading.Thread(target=lambda: printed2.extend(iter(second.stdout.readline, "")))
+    reader2.start()
+    # the link drops while the CLI follows (not while it is still starting: that is an unreachable host)
+    wait_for(lambda: any("line " in l for l in printed2))
     seen = log.read_text().count("line ")
     wait_for(lambda: log.read_text().count("line ") >= seen + 5)
     assert drop_connections(sshd) >= 1
-    out2, err2 = second.communicate(timeout=180)
+    second.wait(timeout=180)
+    reader2.join(10)
+    out2, err2 = "".join(printed2), second.stderr.read()
     assert second.returncode == 0, err2
     assert "reattaching to run cli" in err2 and "run cli succeeded" in err2, err2
     lines = re.findall(r"line \d+ of 60", out1 + out2)
@@ -373,9 +380,10 @@ def test_every_failing_host_is_shown_and_fails_the_task(host, sshd, tmp_path):
     data = json.loads(r.stdout)
     assert [x["run_id"] for x in data["gpu1"]] == ["l1"] and data["dead1"]["kind"] == "unreachable"
     msg = data["dead1"]["error"]
-    assert len(msg) > 80
-    # the message stays on one line even though stdout is not a terminal (no wrap at 80 columns)
-    r = run_inv("runs.status", "l1", "--hosts", "gpu1,dead1", "--inventory", two)
+    assert len(msg) > 40
+    # the message stays on one line even though it is wider than the console (COLUMNS; off a terminal
+    # rich would otherwise wrap at 80)
+    r = run_inv("runs.status", "l1", "--hosts", "gpu1,dead1", "--inventory", two, env={"COLUMNS": "40"})
     assert r.returncode == 1
     assert "gpu1 run l1 (stage teststage, attempt 1): succeeded" in r.stdout
     assert f"dead1: {msg}" in r.stdout.splitlines()
