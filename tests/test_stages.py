@@ -599,3 +599,32 @@ for epoch, steps in enumerate((10, 12, 11)):
     steps = progress[-33:]
     assert [p["total"] for p in steps[:10]] == [0] * 10  # the first epoch: no estimate yet
     assert steps[10]["total"] == 30 and steps[-1] == {"done": 33, "total": 33, "unit": "steps"}
+
+
+def test_a_stage_server_is_stopped_with_its_whole_process_group(tmp_path):
+    """A stage hashes its artifacts right after its vLLM server stops, and the server's log is one of
+    them: vLLM's engine process outlives the API server by a moment and writes its last lines to that
+    log. A stand-in server whose leader exits at once on TERM while its worker takes a second to write
+    its farewell: stop() returns only once the worker is gone, its line written (the pull's checksum
+    of server.log failed on a 2-core EPYC when stop() returned as soon as the leader had exited)."""
+    log = tmp_path / "server.log"
+    server = ("(trap 'sleep 1; echo worker done >> \"$0\"; exit 0' TERM; echo worker up >> \"$0\"; "
+              "while :; do sleep 0.1; done) & trap 'exit 0' TERM; while :; do sleep 0.1; done")
+    code = f"""
+import os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from runtime.service import group_alive
+from stages.lib.vllm_server import VllmServer
+server = VllmServer("test", "model", log_path={str(log)!r}, max_model_len=16)
+server.proc = subprocess.Popen(["sh", "-c", {server!r}, {str(log)!r}], start_new_session=True)
+while not (os.path.exists({str(log)!r}) and "worker up" in open({str(log)!r}).read()):
+    time.sleep(0.05)
+t0 = time.monotonic()
+server.stop(grace=10)
+print(round(time.monotonic() - t0, 2), group_alive(server.proc.pid))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(REMOTE)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    took, alive = proc.stdout.split()
+    assert log.read_text().splitlines() == ["worker up", "worker done"]  # written before stop() returned
+    assert 0.9 <= float(took) < 10 and alive == "False"

@@ -88,10 +88,10 @@ def _proc_start(pid):
     return fields[19]
 
 
-def _group_alive(pgid):
+def group_alive(pgid):
     """Whether a live (not zombie) process is left in process group ``pgid``. A zombie member (the server,
     exited under the deploy job that started it and has not reaped it yet) would keep ``killpg(pgid, 0)``
-    succeeding forever; /proc tells the two apart."""
+    succeeding forever; /proc tells the two apart. (A stage's own vLLM server is stopped by it too.)"""
     try:
         os.killpg(int(pgid), 0)
     except (ProcessLookupError, ValueError, TypeError):
@@ -243,12 +243,12 @@ class Service:
                 except ProcessLookupError:
                     break
                 deadline = time.time() + wait
-                while time.time() < deadline and _group_alive(pgid):
+                while time.time() < deadline and group_alive(pgid):
                     self._reap()
                     time.sleep(0.2)
-                if not _group_alive(pgid):
+                if not group_alive(pgid):
                     break
-            if _group_alive(pgid):
+            if group_alive(pgid):
                 raise ServiceError("the server's process group %d survived SIGKILL" % pgid)
             os.remove(self.pidfile)
             with open(self.log, "ab") as out:  # what the server logs as it is killed is not its last error

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from runtime.service import group_alive
 from stages import common
 
 def _free_port() -> int:
@@ -122,19 +123,27 @@ class VllmServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM to the server's process group (the API server and its engine workers), then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the server's process group (the API server and its engine workers), then SIGKILL;
+        returns once no live process of the group is left. The engine's processes outlive the API server
+        by a moment and write their last lines to the server log: the stage hashes its artifacts next,
+        and a log still being written then (seen on a 2-core EPYC) failed the pull's checksum."""
+        if self.proc is None:
             return
+        pgid = self.proc.pid
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            self.proc.poll()  # reaps the leader: an exited one is then no member of the group
+            if not group_alive(pgid):
+                return
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(pgid, sig)
             except ProcessLookupError:
                 return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                if not group_alive(pgid):
+                    return
+                time.sleep(0.1)
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
