@@ -5,7 +5,7 @@ Both sides reach the same real sshd processes with the same key. Ansible runs a 
 file through the script module) on every host, with forks=8; ours is the real CLI (``inv audit --json``), process start-up included on both sides.
 
 Prints medians of several runs and the bars the issue sets:
-  inv -l                    <= 0.15 s (beside the floor: python -c "import invoke")
+  inv -l                    <= 0.15 s (beside its floor: python -c "import invoke", and python -c pass)
   ours, 1 host              <= 0.4 s
   8 hosts / 1 host (ours)   <= 1.3
   ansible / ours            >= 8
@@ -74,6 +74,16 @@ def busy_cpu() -> float:
     with open("/proc/stat") as f:
         ticks = [int(v) for v in f.readline().split()[1:]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def startup_hooks() -> list[str]:
+    """The .pth files of this python's site-packages that run code at every interpreter start (their
+    'import' lines): each python start pays for them before invoke or the harness is imported."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [p.name for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.pth"))
+            if any(line.startswith(("import ", "import\t")) for line in p.read_text(errors="replace").splitlines())]
 
 
 def ensure_user(name: str) -> None:
@@ -152,6 +162,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "harness"), str(REPO / "tasks")],
                            check=True, stdout=subprocess.DEVNULL)
             runs = [("inv -l", [sys.executable, "-m", "invoke", "--search-root", str(REPO), "-l"]),
+                    ("python -c pass", [sys.executable, "-c", "pass"]),
                     ("import invoke", [sys.executable, "-c", "import invoke"]),
                     ("ours 1 host", ours + ["--hosts", "host0"]), (f"ours {args.hosts} hosts", ours),
                     ("ansible 1 host", theirs + ["--limit", "host0"]), (f"ansible {args.hosts} hosts", theirs)]
@@ -176,7 +187,8 @@ def main() -> None:
     for label, t in results.items():
         print(f"{label:<20} {t * 1000:8.0f} ms")
     print(f"inv -l:                      {results['inv -l']:.3f} s   (bar <= 0.15; python + invoke alone: "
-          f"{results['import invoke']:.3f} s)")
+          f"{results['import invoke']:.3f} s, python alone {results['python -c pass']:.3f} s)")
+    print(f"  .pth files run at each python start: {', '.join(startup_hooks()) or 'none'}")
     print(f"ours, 1 host:                {results['ours 1 host']:.3f} s   (bar <= 0.4)")
     print(f"ours {n} hosts / 1 host:      {results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x   (bar <= 1.3)")
     # The loopback hosts do their part of each audit on this machine's cores: the n-host case needs at
