@@ -91,7 +91,7 @@ def _proc_start(pid):
 def group_alive(pgid):
     """Whether a live (not zombie) process is left in process group ``pgid``. A zombie member (the server,
     exited under the deploy job that started it and has not reaped it yet) would keep ``killpg(pgid, 0)``
-    succeeding forever; /proc tells the two apart. (A stage's own vLLM server is stopped by it too.)"""
+    succeeding forever; /proc tells the two apart."""
     try:
         os.killpg(int(pgid), 0)
     except (ProcessLookupError, ValueError, TypeError):
@@ -113,6 +113,29 @@ def group_alive(pgid):
         if len(fields) > 2 and fields[2] == str(int(pgid)) and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def stop_group(pgid, grace, kill_wait, reap=lambda: None):
+    """SIGTERM to process group ``pgid``, SIGKILL after ``grace`` seconds; returns True once no live
+    process of the group is left, False if one is still alive ``kill_wait`` seconds after SIGKILL.
+    Not when the leader exits: a server's workers outlive it by a moment and still write its log.
+    ``reap`` is called while waiting, so that the caller's own child does not linger as a zombie.
+    The production service and a stage's own vLLM server are both stopped with it."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
+        reap()
+        if not group_alive(pgid):
+            return True
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            reap()
+            if not group_alive(pgid):
+                return True
+            time.sleep(0.1)
+    return not group_alive(pgid)
 
 
 def speculative_config(draft):
@@ -237,18 +260,7 @@ class Service:
             if rec is None:
                 return {"stopped": False, "was_running": False}
             pgid = int(rec["pid"])
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15.0)):
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.time() + wait
-                while time.time() < deadline and group_alive(pgid):
-                    self._reap()
-                    time.sleep(0.2)
-                if not group_alive(pgid):
-                    break
-            if group_alive(pgid):
+            if not stop_group(pgid, grace, 15.0, self._reap):
                 raise ServiceError("the server's process group %d survived SIGKILL" % pgid)
             os.remove(self.pidfile)
             with open(self.log, "ab") as out:  # what the server logs as it is killed is not its last error

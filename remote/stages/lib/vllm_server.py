@@ -13,7 +13,6 @@ accelerator the server runs eager (no torch.compile warm-up: minutes saved on a 
 """
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from runtime.service import group_alive
+from runtime.service import stop_group
 from stages import common
 
 def _free_port() -> int:
@@ -127,23 +126,8 @@ class VllmServer:
         returns once no live process of the group is left. The engine's processes outlive the API server
         by a moment and write their last lines to the server log: the stage hashes its artifacts next,
         and a log still being written then (seen on a 2-core EPYC) failed the pull's checksum."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            self.proc.poll()  # reaps the leader: an exited one is then no member of the group
-            if not group_alive(pgid):
-                return
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                if not group_alive(pgid):
-                    return
-                time.sleep(0.1)
+        if self.proc is not None:
+            stop_group(self.proc.pid, grace, 10.0, reap=self.proc.poll)
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
