@@ -370,6 +370,11 @@ def _copy_resuming(rel: str, size: int, staging: Path, open_src, bar: _Meter, do
 _LINK_ERRORS = (OSError, EOFError, paramiko.SSHException)
 
 
+def _is_prefetch(thread: threading.Thread | None) -> bool:
+    """Whether ``thread`` is one of paramiko's SFTP prefetch threads (named after their target)."""
+    return thread is not None and thread.name.endswith("(_prefetch_thread)")
+
+
 class _QuietPrefetch:
     """While an SFTP pull runs: paramiko's prefetch thread (it sends a file's read requests) dies with a
     traceback on stderr when the link drops under it. The pull itself reports the dropped link in one
@@ -379,8 +384,7 @@ class _QuietPrefetch:
         self._previous = threading.excepthook
 
         def hook(args, previous=self._previous):
-            if args.thread is not None and args.thread.name.endswith("(_prefetch_thread)") \
-                    and issubclass(args.exc_type, _LINK_ERRORS):
+            if _is_prefetch(args.thread) and issubclass(args.exc_type, _LINK_ERRORS):
                 return
             previous(args)
 
@@ -390,9 +394,8 @@ class _QuietPrefetch:
     def __exit__(self, exc_type, *exc):
         if exc_type is not None:  # the link dropped: let the prefetch threads die while still quiet
             deadline = time.monotonic() + 2
-            for t in threading.enumerate():
-                if t.name.endswith("(_prefetch_thread)"):
-                    t.join(max(0.0, deadline - time.monotonic()))
+            for t in filter(_is_prefetch, threading.enumerate()):
+                t.join(max(0.0, deadline - time.monotonic()))
         threading.excepthook = self._previous
 
 
