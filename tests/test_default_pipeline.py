@@ -25,16 +25,25 @@ ACCEPTANCE_BAR = 1.8
 
 # The default job is sized to the issue's 15-minute bar on a 2-core machine with native bf16 (11 min with AMX
 # there). Without it the stages compute in float32 and the job took about 24 minutes on two cores
-# with 1100 samples and 4 epochs (prepare 6.6, extract 4.2, train 10.1, evaluate 2.8; ~28 with 1136 and 5), more than what the suite's budget has left
-# beside both stacks' tests: there bench/pipeline.py runs it.
-@pytest.mark.skipif(not native_bf16(), reason="the default job takes ~28 min on a CPU without native bf16 "
-                                              "(AMX/AVX512-BF16), beyond the suite's budget; run bench/pipeline.py")
+# with 1100 samples and 4 epochs (prepare 6.6, extract 4.2, train 10.1, evaluate 2.8; ~28 with 1136 and 5),
+# more than what the suite's budget has left beside both stacks' tests (bench/pipeline.py runs it there).
+# There the same job, the shipped inventory's local host on the GGUF's SmolLM2, runs with fewer samples
+# and epochs (these settings go over the host's own), and its draft must beat a lower bar: on a 2-core
+# EPYC without bf16 it took 12.8 min and measured 1.39 (256 samples: 15 min, 1.42); most of it is the
+# three vLLM starts and the regeneration, so fewer samples would save little more.
+SMALLER_JOB = {"samples": 128, "heldout": 16, "epochs": 2}
+SMALLER_JOB_BAR = 1.3
+
+
 @pytest.mark.timeout(4200)
 def test_default_pipeline_on_smollm2(tmp_path, current_python):
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     local = inv["hosts"]["local"]
     assert local["transport"] == "local" and local.get("requirements", "cpu") == "cpu"
     local.update(python=str(current_python), workdir=str(tmp_path / "wd"))
+    full = native_bf16()
+    if not full:
+        local["pipeline"] = {**local.get("pipeline", {}), **SMALLER_JOB}
     local["service"]["vllm"]["port"] = free_port()  # the shipped 8000 may be taken on a test machine
     settings = {**inv["pipeline"], **local.get("pipeline", {})}  # the host's own settings go over the shared ones
     path = tmp_path / "inventory.yaml"
@@ -80,5 +89,5 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert metrics["agree"] is True, metrics
-    assert metrics["acceptance_length"] >= ACCEPTANCE_BAR, metrics
+    assert metrics["acceptance_length"] >= (ACCEPTANCE_BAR if full else SMALLER_JOB_BAR), metrics
 
