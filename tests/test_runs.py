@@ -212,7 +212,10 @@ def test_logs_follow_cli_detaches_on_ctrl_c_and_reattaches_across_a_drop(host, s
     env = {**__import__("os").environ, "HARNESS_RUNS_DIR": str(tmp_path / "runs"), "COLUMNS": "200"}
     argv = [sys.executable, "-m", "invoke", "runs.logs", "cli", "--follow", "--inventory", inv.source]
     log = tmp_path / "wd" / "runs" / "cli" / "run.log"
-    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches the CLI as at a terminal even where this suite was started in the background
+    # (a shell's '&' or nohup leaves SIGINT ignored, and a child inherits that: the CLI would never see it)
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     printed: list[str] = []
     reader = threading.Thread(target=lambda: printed.extend(iter(first.stdout.readline, "")))
     reader.start()
