@@ -47,15 +47,22 @@ def select_stages(start: str | None, stop: str | None) -> list[str]:
     return ORDER[i:j + 1]
 
 
+#: settings naming shipped prompt sets (builtin:<name>) -> the files a stage that reads it hashes too
+DATA_SETTINGS = {"dataset": "stages/data/*.jsonl", "eval_sets": "stages/data/eval/*.jsonl"}
+
+
 def stage_code_hash(stage: str, root: Path | None = None, generation: str = "legacy") -> str:
     """Hash of what decides a stage's behaviour on the host: its module (of the host's generation), the
-    shared helpers and the stage library (stages/common.py, every file of stages/lib/), the runner."""
+    shared helpers and the stage library (stages/common.py, every file of stages/lib/), the runner, and
+    for a stage that reads prompts the shipped prompt sets (stages/data/): a changed set is a new run."""
     root = root or REMOTE_DIR
     lib = sorted(p.relative_to(root).as_posix() for p in (root / "stages" / "lib").rglob("*.py"))
+    data = sorted(p.relative_to(root).as_posix() for setting, files in DATA_SETTINGS.items()
+                  if setting in contracts(generation, root).stages[stage].settings for p in root.glob(files))
     h = hashlib.sha256()
     h.update(generation.encode() + b"\0")
     for rel in (f"stages/{generation}/{stage}.py", "stages/common.py", "stages/__init__.py", *lib,
-                "runtime/runstage.py"):
+                "runtime/runstage.py", *data):
         p = root / rel
         if p.is_file():
             h.update(rel.encode() + b"\0" + p.read_bytes())
@@ -140,6 +147,8 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
         if sized.hidden_states["exact"]:
             raise HarnessError(sized.refusal(), kind="does not fit")
         say(f"warning: {sized.reason}; checked again with prepare's token count before extract")
+    for warning in sized.warnings:
+        say(f"warning: {warning}")
     done: list[StageRun] = []
     for stage in stages:
         rid = ids[stage]

@@ -19,7 +19,7 @@ from harness.inventory import load_inventory
 from harness.stagecontract import GENERATIONS
 from tests.models import build_tiny_model
 
-SETTINGS = {"dataset": "builtin:prompts", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
+SETTINGS = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
             "batch_size": 4, "draft_vocab_size": 64, "epochs": 2, "lr": 3e-3, "train_seq_len": 256,
             "val_fraction": 0.2, "k": 3, "ttt_steps": 3, "seed": 0}
 
@@ -320,6 +320,17 @@ def test_stage_code_hash_covers_the_stage_library(tmp_path):
     assert [again[s] != after[s] for s in pipeline.ORDER] == [False, False, True, False, False]
     current = {s: pipeline.stage_code_hash(s, root, "current") for s in pipeline.ORDER}
     assert all(current[s] != again[s] for s in pipeline.ORDER)  # each generation's own module
+    # a shipped prompt set: the stage that reads it runs anew (prepare its training sets, today's evaluate
+    # its eval sets), no other
+    one_more = json.dumps({"messages": [{"role": "user", "content": "One more."}]}) + "\n"
+    for rel, changed in (("code.jsonl", [True, False, False, False, False]),
+                         ("eval/code.jsonl", [False, False, False, False, True])):
+        data = root / "stages" / "data" / rel
+        data.write_text(data.read_text() + one_more)
+        edited = {g: {s: pipeline.stage_code_hash(s, root, g) for s in pipeline.ORDER} for g in ("legacy", "current")}
+        assert [edited["legacy"][s] != again[s] for s in pipeline.ORDER] == changed[:4] + [False], rel
+        assert [edited["current"][s] != current[s] for s in pipeline.ORDER] == changed, rel
+        again, current = edited["legacy"], edited["current"]
 
 
 @pytest.mark.parametrize("edit, message", [

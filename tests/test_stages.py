@@ -27,7 +27,7 @@ sys.path.insert(0, str(REMOTE))  # the stages import as on a host: `from stages 
 SERIES = REPO / "patches" / "speculators" / "0.3.0"
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 
-PIPELINE = {"dataset": "builtin:prompts", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
+PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
             "batch_size": 4, "draft_vocab_size": 64, "epochs": 3, "lr": 3e-3, "train_seq_len": 256,
             "val_fraction": 0.2, "k": 3, "ttt_steps": 3, "seed": 0, "threads": 1}
 
@@ -179,6 +179,45 @@ def test_prepare_refuses_a_missing_dataset(tmp_path, tiny, dataset, message):
         prepare.main(stage_spec(tmp_path, "prepare", tiny, dataset=dataset))
 
 
+def test_sources_mixed_by_weight_each_a_category_of_held_out_prompts(tmp_path):
+    """pipeline.dataset {source: weight}: each source gives its share of samples and of heldout (whole
+    numbers that add up), a traffic sample of bare prompts among them; held-out prompts keep their
+    source's category, and none is also trained on."""
+    from stages.lib import conversations
+
+    for name, n in (("traffic", 50), ("code", 30)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name} prompt {i}"}) + "\n"
+                                                        for i in range(n)))
+    mix = {str(tmp_path / "traffic.jsonl"): 2, str(tmp_path / "code.jsonl"): 1}
+    train, held = conversations.load_split(mix, "train", 31, 7, 0, "prepare")
+    texts = [c[0]["content"] for c in train]
+    assert len(train) == 31 and sum(t.startswith("traffic") for t in texts) == 21  # 20.67 and 10.33: 21 + 10
+    assert [name for name, _ in held] == ["traffic"] * 5 + ["code"] * 2  # 4.67 and 2.33: 5 + 2
+    assert all(c == [{"role": "user", "content": c[0]["content"]}] for _, c in held)
+    assert not {c[0]["content"] for _, c in held} & set(texts)
+    path = tmp_path / "heldout.jsonl"
+    conversations.write_heldout(path, held)
+    assert conversations.read_prompts(path) == held
+    with pytest.raises(SystemExit, match=r"^stage prepare: pipeline.dataset: '.*code.jsonl' has 30 conversations, "
+                                         r"fewer than its share \(40 to train \+ 2 held out, weight 3\); lower"):
+        conversations.load_split({str(tmp_path / "traffic.jsonl"): 1, str(tmp_path / "code.jsonl"): 3}, "train",
+                                 53, 3, 0, "prepare")
+
+
+def test_eval_sets_are_first_turns_of_each_set_up_to_the_limit(tmp_path):
+    from stages.lib import conversations
+
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"},
+        {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]}) + "\n" for i in range(5)))
+    got = conversations.evaluation_sets({"code": "builtin:eval/code", "mine": str(tmp_path / "mine.jsonl")}, 3,
+                                        "train", "evaluate")
+    assert [name for name, _ in got] == ["code"] * 3 + ["mine"] * 3
+    assert got[-1][1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q2"}]
+    shipped = (REMOTE / "stages" / "data" / "eval" / "code.jsonl").read_text().splitlines()
+    assert [m for _, m in got[:3]] == [json.loads(line)["messages"] for line in shipped[:3]]
+
+
 def test_a_malformed_jsonl_dataset_is_one_line_naming_the_file_and_line(tmp_path, tiny, patched_speculators):
     """Through the runner, as on a host: one line naming the file and the broken line, no traceback
     (datasets' own loader prints three chained ones naming neither)."""
@@ -230,7 +269,7 @@ def test_stage_settings_are_the_contract_defaults_overridden_by_the_spec():
         "samples": "12", "heldout": None, "dataset": "", "seed": 0, "lr": 5.0, "threads": 2}}, prepare.SETTINGS)
     assert set(cfg) == set(prepare.SETTINGS) | set(common.COMMON_SETTINGS)
     assert cfg.samples == 12 and type(cfg.samples) is int
-    assert cfg.heldout == prepare.SETTINGS["heldout"] == 16 and cfg.dataset == "builtin:prompts" and cfg.seed == 0
+    assert cfg.heldout == prepare.SETTINGS["heldout"] == 16 and cfg.dataset == prepare.SETTINGS["dataset"] and cfg.seed == 0
     assert cfg.threads == 2 and cfg.device == "auto" and cfg.regenerate is True
     with pytest.raises(AttributeError, match="'lr' is not declared"):
         cfg.lr  # noqa: B018  (train's setting, not prepare's)

@@ -1,8 +1,9 @@
 """Stage prepare (speculators 0.5+): conversations -> on-policy token ids and loss masks, with speculators' CLI.
 
-Reads ``pipeline.dataset`` (stages/lib/conversations.py: builtin, local file or hub id), shuffles with
-``pipeline.seed`` and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout``
-others whose prompts only go to evaluate (never trained on).
+Reads ``pipeline.dataset`` (stages/lib/conversations.py: one source or several mixed by weight: built-in
+sets, a file on the host such as a sample of your own traffic, a hub id), shuffles with ``pipeline.seed``
+and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout`` others whose prompts
+only go to evaluate (never trained on), each labelled with its source's category.
 
 Then, with a vLLM server for the target started by this stage on the host (stages/lib/vllm_server.py):
 
@@ -30,7 +31,15 @@ STAGE = "prepare"
 READS = ()                   # the stages whose artifacts this one reads: none, it starts the pipeline
 GPU = True                   # the target runs in vLLM
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
-    "dataset": "builtin:prompts",  # builtin:<name> (stages/data/<name>.jsonl), a .jsonl/.json/.parquet, a hub id
+    "dataset": {                   # {source: weight} or one source: builtin:<name> (stages/data/<name>.jsonl),
+        "builtin:chat": 30,        # a .jsonl/.json/.parquet on the host (your traffic sample: prompts alone
+        "builtin:code": 20,        # will do, the target writes the replies), a hub id; each source gives its
+        "builtin:math": 15,        # share of samples and heldout, and names the category evaluate reports
+        "builtin:writing": 12,
+        "builtin:extraction": 8,
+        "builtin:multilingual": 8,
+        "builtin:multiturn": 7,
+    },
     "dataset_split": "train",      # the split of a hub dataset
     "samples": 64,                 # conversations kept for training
     "heldout": 16,                 # other conversations whose prompts only evaluate sees
@@ -51,8 +60,8 @@ def main(spec: dict) -> dict:
     timer = common.Timer()
     out = common.artifacts(spec)
 
-    train, held = conversations.split(conversations.load_conversations(cfg.dataset, cfg.dataset_split, STAGE),
-                                      cfg.samples, cfg.heldout, cfg.seed, STAGE)
+    train, held = conversations.load_split(cfg.dataset, cfg.dataset_split, cfg.samples, cfg.heldout, cfg.seed,
+                                           STAGE)
     conversations.write_heldout(out / "heldout.jsonl", held)
     source = out / "conversations.in.jsonl"
     conversations.write_messages(source, train)

@@ -1,11 +1,9 @@
 """Stage prepare: conversations -> chat-templated token ids with assistant-only loss masks.
 
-Reads ``pipeline.dataset`` (``builtin:<name>`` for ``remote/stages/data/<name>.jsonl``, a local .jsonl/.json/
-.parquet file, or a hub dataset id with ``pipeline.dataset_split``); a JSON file with a line that does
-not parse stops the stage with one line naming the file and the line. Rows are in ShareGPT form
-(``conversations: [{from, value}]``) or OpenAI form (``messages: [{role, content}]``). Shuffles with
-``pipeline.seed`` and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout``
-others whose prompts only go to evaluate (never trained on).
+Reads ``pipeline.dataset`` (stages/lib/conversations.py: one source or several mixed by weight: built-in
+sets, a file on the host, a hub id; ShareGPT, OpenAI or bare prompts), shuffles with ``pipeline.seed``
+and keeps ``pipeline.samples`` conversations for training plus ``pipeline.heldout`` others whose prompts
+only go to evaluate (never trained on), each labelled with its source's category.
 
 With ``pipeline.regenerate`` every assistant turn is rewritten by the target itself (greedy, batched,
 ``pipeline.max_new_tokens`` per turn; with ``pipeline.backend: vllm`` through vLLM, never a transformers
@@ -27,7 +25,15 @@ STAGE = "prepare"
 READS = ()                   # the stages whose artifacts this one reads: none, it starts the pipeline
 GPU = True                   # regenerating the replies runs the target
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
-    "dataset": "builtin:prompts",  # builtin:<name> (stages/data/<name>.jsonl), a .jsonl/.json/.parquet, a hub id
+    "dataset": {                   # {source: weight} or one source: builtin:<name> (stages/data/<name>.jsonl),
+        "builtin:chat": 30,        # a .jsonl/.json/.parquet on the host (your traffic sample: prompts alone
+        "builtin:code": 20,        # will do, the target writes the replies), a hub id; each source gives its
+        "builtin:math": 15,        # share of samples and heldout, and names the category evaluate reports
+        "builtin:writing": 12,
+        "builtin:extraction": 8,
+        "builtin:multilingual": 8,
+        "builtin:multiturn": 7,
+    },
     "dataset_split": "train",      # the split of a hub dataset
     "samples": 64,                 # conversations kept for training
     "heldout": 16,                 # other conversations whose prompts only evaluate sees
@@ -86,8 +92,8 @@ def main(spec: dict) -> dict:
     timer = common.Timer()
     out = common.artifacts(spec)
 
-    train, held = conversations.split(conversations.load_conversations(cfg.dataset, cfg.dataset_split, STAGE),
-                                      cfg.samples, cfg.heldout, cfg.seed, STAGE)
+    train, held = conversations.load_split(cfg.dataset, cfg.dataset_split, cfg.samples, cfg.heldout, cfg.seed,
+                                           STAGE)
 
     path = common.model_dir(spec)
     tokenizer = common.load_tokenizer(spec, path)
