@@ -113,12 +113,18 @@ class DeploySpec(_Strict):
     k: int = Field(default=3, ge=1, le=16)
     #: the live acceptance length below which the deploy rolls itself back (1.0: nothing accepted)
     min_acceptance: float = Field(default=1.5, ge=1.0)
-    #: held-out prompts sent through the server to measure it
+    #: tokens/s with the draft / without it, one request at a time and at ``concurrency``, below which the
+    #: deploy rolls itself back (1.0: never keep a draft that slows the server)
+    min_speedup: float = Field(default=1.0, gt=0)
+    #: prompts sent through the server, with and without the draft, to measure it
     prompts: int = Field(default=16, ge=1)
     #: new tokens per prompt
     max_tokens: int = Field(default=64, ge=1)
-    #: requests in flight while measuring
+    #: requests in flight, the service's usual load (measured besides one at a time)
     concurrency: int = Field(default=4, ge=1)
+    #: a file of your own prompts on the host (JSONL/JSON/Parquet: prompt, messages or conversations) to
+    #: measure with; unset: the pipeline's held-out prompts and the shipped out-of-distribution sets
+    traffic: str | None = None
 
 
 class HostSpec(_Strict):
@@ -209,8 +215,18 @@ class PipelineSpec(_Strict):
     ``COMMON_SETTINGS`` in common.py for those every stage reads): one place for each; here only their
     types and bounds."""
 
-    dataset: str = _default("dataset")
+    #: one source, or {source: weight} mixed by weight (each source a category evaluate reports): builtin:<name>,
+    #: a .jsonl/.json/.parquet file on the host (e.g. a sample of your production prompts), a hub id
+    dataset: str | dict[str, float] = _default("dataset", validate_default=True)
     dataset_split: str = _default("dataset_split")
+    #: {category: source} of prompts never trained on that evaluate measures beside the held-out ones
+    eval_sets: dict[str, str] = _default("eval_sets")
+    #: prompts of each eval set
+    eval_prompts: int = _default("eval_prompts", ge=1)
+    #: prompts of each category evaluate times one at a time, with and without the draft (0: none)
+    speed_prompts: int = _default("speed_prompts", ge=0)
+    #: the share of a category's tokens the draft vocabulary must hold before vocab and evaluate warn
+    coverage_warning: float = _default("coverage_warning", ge=0, le=1)
     samples: int = _default("samples", ge=1)
     heldout: int = _default("heldout", ge=0)
     max_seq_len: int = _default("max_seq_len", ge=16)
@@ -266,6 +282,25 @@ class PipelineSpec(_Strict):
     vllm_spec_decode: bool = _default("vllm_spec_decode")
     seed: int = _default("seed")
     extra: dict[str, Any] = _default("extra")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_weights(cls, v: str | dict[str, float]) -> str | dict[str, float]:
+        if isinstance(v, dict):
+            if not v:
+                raise ValueError("an empty mapping: give one source or {source: weight}")
+            for name, weight in v.items():
+                if weight <= 0:
+                    raise ValueError(f"source {name!r} has weight {weight}: a positive number")
+        return v
+
+    @field_validator("eval_sets")
+    @classmethod
+    def _eval_set_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(f"{name!r} is not a category name (letters, digits, _ . -)")
+        return v
 
     @field_validator("loss_fn")
     @classmethod

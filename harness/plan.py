@@ -53,6 +53,8 @@ class Plan:
     verdict: str = "fits"   # fits | does not fit | unknown
     reason: str = ""
     ways_out: list[str] = field(default_factory=list)
+    #: what will not stop the pipeline but deserves a look (a draft vocabulary that misses what is served)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -102,7 +104,19 @@ def make_plan(conn: HostConnection, inv: Inventory, stages: list[str], ids: dict
         p.stages.append({"stage": stage, "run_id": rid, "state": state, "action": action})
     _size(p, inv, runs.get(by_id.get("prepare")) or {}, extract_runs=any(
         s["stage"] == "extract" and s["action"] == "run" for s in p.stages))
+    p.warnings += coverage_warnings(inv, runs.get(by_id.get("vocab")) or {})
     return p
+
+
+def coverage_warnings(inv: Inventory, vocab: dict) -> list[str]:
+    """The held-out prompts' coverage by the draft vocabulary, once a vocab run with these settings has
+    counted it: each category below ``pipeline.coverage_warning``, naming the setting to raise."""
+    settings = inv.pipeline
+    floor = getattr(settings, "coverage_warning", 0.0)
+    return [f"the draft vocabulary ({settings.draft_vocab_size} tokens) holds {share:.1%} of the held-out {name} "
+            f"prompts' tokens (< pipeline.coverage_warning {floor}): raise pipeline.draft_vocab_size, or give "
+            "pipeline.dataset more such prompts" for name, share in (vocab.get("heldout_coverage") or {}).items()
+            if share < floor]
 
 
 def _size(p: Plan, inv: Inventory, prepare: dict, extract_runs: bool) -> None:

@@ -48,6 +48,8 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
     else:
         for name, runs in results.succeeded.items():
             print_wide(summary_table(name, runs))
+            for table in category_tables(runs):
+                print_wide(table)
         print_failures(results)
     finish(results)
 
@@ -94,6 +96,32 @@ def summary_table(host: str, runs):
                   f"{loss:.3f}" if isinstance(loss, (int, float)) else "",
                   f"{acc:.2f}" if isinstance(acc, (int, float)) else "", o.pulled or "")
     return t
+
+
+def category_tables(runs):
+    """evaluate's figures per category of prompts (held-out, and the eval sets never trained on), with
+    the plot it pulled."""
+    from rich.table import Table
+
+    for o in runs:
+        rows = o.result.get("categories") if o.stage == "evaluate" else None
+        if not rows:
+            continue
+        plot = f"; plot: {o.pulled}/categories.png" if o.pulled else ""
+        t = Table(title=f"evaluate {o.run_id}: per category (k = {o.result.get('k')}){plot}", title_justify="left",
+                  header_style="bold")
+        for col in ("category", "kind", "prompts", "acceptance", "per position", "vocab coverage", "tokens/s",
+                    "without draft", "speedup"):
+            t.add_column(col, justify="left" if col in ("category", "kind", "per position") else "right")
+        for r in rows:
+            acc = r.get("acceptance_length")
+            t.add_row(r["category"], r.get("kind", ""), str(r.get("prompts", "")), f"{acc:.2f}" if acc else "",
+                      " ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_position") or []),
+                      f"{r['vocab_coverage']:.1%}" if "vocab_coverage" in r else "",
+                      f"{r['tokens_per_s']:.1f}" if r.get("tokens_per_s") else "",
+                      f"{r['tokens_per_s_without']:.1f}" if r.get("tokens_per_s_without") else "",
+                      f"{r['speedup']:.2f}x" if r.get("speedup") else "")
+        yield t
 
 
 def show_plans(inv, selected, stages, json, cluster=None):
@@ -158,4 +186,6 @@ def plan_table(p):
     t.add_row("verdict", f"[{colour}]{p.verdict}[/]: {escape(p.reason)}")
     for w in p.ways_out:
         t.add_row("way out", escape(w))
+    for w in p.warnings:
+        t.add_row("[yellow]warning[/]", escape(w))
     return t

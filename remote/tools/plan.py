@@ -151,7 +151,8 @@ def run_states(workdir, run_ids):
             out[rid] = {"state": None}
             continue
         result = st.get("result") or {}
-        out[rid] = {"state": st.get("state"), "tokens": result.get("tokens"), "samples": result.get("samples")}
+        out[rid] = {"state": st.get("state"), "tokens": result.get("tokens"), "samples": result.get("samples"),
+                    "heldout_coverage": result.get("heldout_coverage")}
     return out
 
 

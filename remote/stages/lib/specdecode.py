@@ -120,3 +120,18 @@ def measure(url: str, prompts: list, max_tokens: int, concurrency: int = 4, on_d
     out = summary(before, read(url))
     out.update({"prompts": len(prompts), "completion_tokens": tokens[0], "model": model})
     return out
+
+
+def timed(url: str, model: str, prompts: list, max_tokens: int, on_done=None) -> dict:
+    """The prompts one request at a time, greedy, after one warm-up request (a server's first requests
+    pay one-off costs): completion tokens, seconds, tokens/s. What one user sees of the server's speed."""
+    if prompts:
+        chat(url, model, prompts[0], max_tokens)
+    tokens, t0 = 0, time.perf_counter()
+    for i, messages in enumerate(prompts, 1):
+        tokens += int((chat(url, model, messages, max_tokens).get("usage") or {}).get("completion_tokens") or 0)
+        if on_done:
+            on_done(i, len(prompts))
+    seconds = time.perf_counter() - t0
+    return {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 and tokens else None}

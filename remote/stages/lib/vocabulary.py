@@ -33,3 +33,24 @@ def write_mappings(freq: dict, draft_vocab: int, target_vocab: int, out: Path, s
     common.progress(1, 1, "mappings")
     return {"draft_vocab_size": draft_vocab, "target_vocab_size": target_vocab, "distinct_tokens": len(freq),
             "coverage": round(covered / total, 4) if total else 0.0}
+
+
+def prompt_coverage(prompts: list, tokenizer, t2d_path: Path, warn_below: float) -> dict:
+    """Per category of ``(category, messages)`` prompts: the share of their tokens (every turn's text)
+    that the draft vocabulary holds, warned of in the log below ``warn_below``."""
+    import numpy as np
+
+    in_vocab = np.load(t2d_path)
+    counts: dict[str, list[int]] = {}
+    for name, messages in prompts:
+        ids = [t for turn in messages for t in tokenizer(turn["content"], add_special_tokens=False)["input_ids"]]
+        c = counts.setdefault(name, [0, 0])
+        c[0] += sum(1 for t in ids if t < len(in_vocab) and in_vocab[t])
+        c[1] += len(ids)
+    out = {name: round(hit / n, 4) if n else 1.0 for name, (hit, n) in counts.items()}
+    for name, share in out.items():
+        if share < warn_below:
+            common.log(f"WARNING: the draft vocabulary holds {share:.1%} of the held-out {name} prompts' tokens "
+                       f"(< pipeline.coverage_warning {warn_below}); raise pipeline.draft_vocab_size or give "
+                       "pipeline.dataset more such prompts")
+    return out
