@@ -22,7 +22,8 @@ from harness.service import require_service
 MODULE = "runtime.deploy"
 
 
-def settings(inv: Inventory, k: int | None = None, min_acceptance: float | None = None) -> dict:
+def settings(inv: Inventory, k: int | None = None, min_acceptance: float | None = None,
+             min_speedup: float | None = None) -> dict:
     """The deploy settings: the inventory's ``deploy:`` with the command line's over them, checked
     (a floor above k + 1, the most a step can give, could never be met)."""
     out = inv.deploy.model_dump()
@@ -32,6 +33,10 @@ def settings(inv: Inventory, k: int | None = None, min_acceptance: float | None 
         out["k"] = k
     if min_acceptance is not None:
         out["min_acceptance"] = min_acceptance
+    if min_speedup is not None:
+        if min_speedup <= 0:
+            raise HarnessError(f"--min-speedup {min_speedup}: a ratio of tokens/s, above 0 (1.0: never slower)")
+        out["min_speedup"] = min_speedup
     if not 1.0 <= out["min_acceptance"] <= out["k"] + 1:
         raise HarnessError(f"min_acceptance {out['min_acceptance']} can never be met with k = {out['k']} (a step "
                            f"gives 1 to {out['k'] + 1} tokens); lower it (--min-acceptance, deploy.min_acceptance)")
@@ -39,7 +44,8 @@ def settings(inv: Inventory, k: int | None = None, min_acceptance: float | None 
 
 
 def deploy(conn: HostConnection, inv: Inventory, train_run: str | None = None, *, rollback: bool = False,
-           k: int | None = None, min_acceptance: float | None = None, code_root: Path | None = None,
+           k: int | None = None, min_acceptance: float | None = None, min_speedup: float | None = None,
+           code_root: Path | None = None,
            on_line: Callable[[str], None] | None = None, poll_interval: float = 2.0) -> StageRun:
     """Deploy ``train_run``'s checkpoint (or, with ``rollback``, undo the current deploy) on ``conn``'s
     host and follow the job to its end. Raises ``HarnessError`` when it failed or rolled itself back."""
@@ -53,7 +59,7 @@ def deploy(conn: HostConnection, inv: Inventory, train_run: str | None = None, *
             raise HarnessError(f"host {conn.name}: a deploy measures the draft through the server, but "
                                f"hosts.{conn.name}.service has no url; set it (e.g. http://127.0.0.1:8000)")
     extra = {"module": MODULE, "action": "rollback" if rollback else "deploy",
-             "deploy": settings(inv, k, min_acceptance)}
+             "deploy": settings(inv, k, min_acceptance, min_speedup)}
     if rollback and not service.status(conn, inv).get("draft"):
         raise HarnessError(f"host {conn.name}: nothing to roll back: the service runs no deployed draft "
                            "(inv service.status)", kind="refused")

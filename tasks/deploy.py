@@ -9,11 +9,15 @@ from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTa
     "run": "the train run whose checkpoint to serve (inv runs.list)",
     "k": "draft tokens per step (default: the inventory's deploy.k)",
     "min_acceptance": "the live acceptance length to clear (default: deploy.min_acceptance)",
+    "min_speedup": "tokens/s with the draft / without it to clear, one request at a time and at deploy.concurrency "
+                   "(default: deploy.min_speedup)",
     "rollback": "undo the current deploy: the server runs what it ran before it"})
 @clean_errors
-def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acceptance=None, rollback=False):
-    """Serve RUN's draft from the production server: restart it with the draft, wait for health, measure
-    the live acceptance length; unhealthy or below deploy.min_acceptance, roll back by itself."""
+def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acceptance=None, min_speedup=None,
+           rollback=False):
+    """Serve RUN's draft from the production server: measure the server without it, restart it with the draft,
+    wait for health, measure it again on the same prompts; unhealthy, below deploy.min_acceptance or slower
+    than deploy.min_speedup times the server without it, roll back by itself."""
     from harness import deploy as _deploy
     from harness.errors import HarnessError
     from harness.parallel import on_hosts, with_connection
@@ -25,14 +29,15 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
     inv, selected = load(inventory, hosts)
     k = number(k, "-k", int)
     min_acceptance = number(min_acceptance, "--min-acceptance")
-    _deploy.settings(inv, k, min_acceptance)  # a floor that can never be met fails before any host
+    min_speedup = number(min_speedup, "--min-speedup")
+    _deploy.settings(inv, k, min_acceptance, min_speedup)  # a floor that can never be met fails before any host
     out = HostOutput(enabled=not json)
     live = len(selected) == 1 and not json
 
     def one(conn):
         with StageView(f"{conn.name} deploy", show=live, echo=None if live else out.for_host(conn.name)) as view:
             return _deploy.deploy(conn, inv, run, rollback=rollback, k=k, min_acceptance=min_acceptance,
-                                  on_line=view.line)
+                                  min_speedup=min_speedup, on_line=view.line)
 
     results = on_hosts(selected, with_connection(inv, one))
     if json:
@@ -42,9 +47,11 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
             res = r.result
             if res.get("state") == "deployed":
                 m = res.get("measurement") or {}
+                fast, slow = m.get("speed") or {}, m.get("without_draft") or {}
+                speeds = "; ".join(f"{c} in flight {fast[c]['tokens_per_s']:.1f} tokens/s against {slow[c]['tokens_per_s']:.1f} "
+                                   f"without ({r:.2f}x)" for c, r in (m.get("speedup") or {}).items())
                 line = (f"deployed run {escape(res.get('run_id'))} as {escape(res.get('deploy_id'))} (k={res.get('k')}): "
-                        f"live acceptance length {m.get('acceptance_length')}, rate {m.get('acceptance_rate')}, "
-                        f"{m.get('tokens_per_s')} tokens/s over {m.get('prompts')} prompts")
+                        f"live acceptance length {m.get('acceptance_length')} over {m.get('prompts')} prompts; {speeds}")
             else:
                 back = res.get("restored")
                 line = (f"rolled back deploy {escape(res.get('undid'))}: the service runs "

@@ -23,6 +23,7 @@ def describe(st: dict) -> str:
     dep = st.get("deploy") or {}
     what = (f"draft of run {escape(draft.get('run_id'))} (deploy {escape(draft.get('deploy_id'))}, k={draft.get('k')}"
             + (f", live acceptance {dep['acceptance_length']:.3f}" if dep.get("acceptance_length") else "")
+            + "".join(f", {r:.2f}x at {c} in flight" for c, r in (dep.get("speedup") or {}).items())
             + (f", [red]deploy {escape(dep.get('state'))}[/]" if dep.get("state") not in (None, "deployed") else "")
             + ")") if draft else "no draft"
     bits = [state, escape(st.get("url") or "no url"), what]
@@ -90,7 +91,8 @@ def status(c, inventory=None, hosts=None, json=False):
         for host, st in results.succeeded.items():
             console("out").print(f"[bold cyan]\\[{escape(host)}][/] " + describe(st))
             for h in st.get("history") or []:
-                extra = (f" acceptance {h['acceptance_length']:.3f}" if h.get("acceptance_length") else "") + (
+                extra = (f" acceptance {h['acceptance_length']:.3f}" if h.get("acceptance_length") else "") + "".join(
+                    f", {r:.2f}x at {c} in flight" for c, r in (h.get("speedup") or {}).items()) + (
                     f" ({escape(h['reason'])})" if h.get("reason") else "")
                 console("out").print(f"    {escape(h.get('ended_at') or h.get('started_at') or '')} "
                                      f"{escape(h.get('action'))} {escape(h.get('deploy_id'))} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,10 +27,11 @@ from runs_support import drop_connections, pid_alive, wait_for
 
 pytestmark = pytest.mark.timeout(1800)
 
-PIPELINE = {"dataset": "builtin:prompts", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
+PIPELINE = {"dataset": "builtin:chat", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
             "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
             "train_seq_len": 256, "val_fraction": 0.25, "seed": 0}
-DEPLOY = {"k": 3, "min_acceptance": 1.0, "prompts": 4, "max_tokens": 16, "concurrency": 2}
+# the tiny target's draft is not trained to be fast: its speed floor is tested on its own (a floor of 50x)
+DEPLOY = {"k": 3, "min_acceptance": 1.0, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
 
 
 class Served:
@@ -133,6 +135,14 @@ def test_deploy_serves_the_draft_and_metrics_count_it(served):
     assert res["state"] == "deployed" and res["run_id"] == train and res["k"] == 3, res
     m = res["measurement"]
     assert m["drafts"] > 0 and m["prompts"] == DEPLOY["prompts"] and m["acceptance_length"] >= 1.0
+    # vLLM's benchmark client measured the server without the draft and with it, one request at a time and
+    # at the service's concurrency, on the same prompts: the speedup is their ratio
+    assert set(m["speed"]) == set(m["without_draft"]) == set(m["speedup"]) == {"1", "2"}, m
+    for c in ("1", "2"):
+        fast, slow = m["speed"][c], m["without_draft"][c]
+        assert fast["completed"] == slow["completed"] == DEPLOY["prompts"] and fast["concurrency"] == int(c)
+        assert fast["ttft_ms"] > 0 and slow["itl_ms"] > 0
+        assert m["speedup"][c] == round(fast["tokens_per_s"] / slow["tokens_per_s"], 3)
     st = served.status()
     assert st["healthy"] and st["pid"] != before["pid"] and st["draft"]["run_id"] == train
     assert st["serving_draft"]["checkpoint"] == st["draft"]["checkpoint"]  # what the running server got
@@ -254,6 +264,22 @@ def test_an_acceptance_floor_too_high_rolls_back_by_itself(served):
     # a floor no draft can reach is refused before anything is touched
     r = served.inv("deploy", train, "--min-acceptance", "4.5")
     assert r.returncode == 2 and "can never be met" in r.stderr
+
+
+def test_a_draft_that_slows_the_server_rolls_back_by_itself_with_both_figures(served):
+    """The speed gate: with a floor of 50x (no draft gives that), the deploy measures the server without
+    the draft and with it, finds it short, puts the previous server back, and says both figures."""
+    train = served.stages["train"]["run_id"]
+    r = served.inv("deploy", train, "--min-speedup", "50", timeout=1200)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "below deploy.min_speedup 50.00" in line[0], r.stderr
+    fast, slow = re.search(r"makes ([\d.]+) tokens/s against ([\d.]+) without it at 1 in flight", line[0]).groups()
+    assert float(fast) > 0 and float(slow) > 0 and "healthy again with no draft" in line[0], line[0]
+    st = served.status()
+    assert st["healthy"] and st["draft"] is None
+    last = st["history"][-1]
+    assert last["state"] == "rolled back" and abs(last["speedup"]["1"] - float(fast) / float(slow)) < 0.01, last
 
 
 def test_bad_runs_are_refused_before_the_server_is_touched(served):

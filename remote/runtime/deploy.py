@@ -6,14 +6,20 @@ status, log and follow, so a dropped link changes nothing: the job finishes on t
 
 1. take the host lock (the one GPU stages hold: no deploy while a stage has the service down);
 2. check what can be checked before the server is touched: the train run's ``checkpoint/`` against
-   that run's SHA256SUMS, its config.json an EAGLE-3 draft, held-out prompts to measure with (the
-   pipeline's prepare run, found through the runs' inputs; else the shipped prompt set's tail);
+   that run's SHA256SUMS, its config.json an EAGLE-3 draft, the prompts to measure with (``traffic``, a
+   sample of your own prompts on the host; else the pipeline's held-out prompts, found through the
+   runs' inputs, and the shipped out-of-distribution sets, taken from each category in turn);
 3. install the checkpoint under ``<workdir>/deploys/<deploy-id>/checkpoint`` (a copy, verified, renamed
-   into place), record the deploy (``deploy.json``: what, when, what it replaced) as ``switching``;
-4. point the server at it (``service/draft.json``, ``draft.env``) and restart it; wait for health;
-5. send held-out prompts through it and read vLLM's own spec-decode counters: the acceptance length;
-6. unhealthy, or below ``min_acceptance``: point the server back at what it ran before, restart it,
-   record ``rolled back`` with the reason, and fail in one line. Else record ``deployed``.
+   into place), record the deploy (``deploy.json``: what, when, what it replaced);
+4. measure the server without a draft (restarted without one first if it runs one, or is down) with
+   vLLM's own benchmark client (stages/lib/servebench.py): one request at a time and ``concurrency`` in
+   flight, tokens/s, time to first token, inter-token latency;
+5. point the server at the draft (``service/draft.json``, ``draft.env``), restart it, wait for health,
+   and measure it the same way on the same prompts; vLLM's spec-decode counters over those requests
+   give the acceptance length;
+6. unhealthy, below ``min_acceptance``, or slower than ``min_speedup`` times the server without the
+   draft at either concurrency: point the server back at what it ran before, restart it, record
+   ``rolled back`` with the reason and both figures, and fail in one line. Else record ``deployed``.
 
 ``action: rollback`` (``inv deploy --rollback``) points the server at what the current deploy replaced
 and restarts it. Every outcome is appended to ``deploys/history.jsonl``.
@@ -32,9 +38,11 @@ from runtime.service import Service, ServiceError, read_json, restart, write_tex
 SETTINGS = {                 # inventory ``deploy:`` (and inv deploy's options) over these defaults
     "k": 3,                  # draft tokens per step (vLLM's num_speculative_tokens)
     "min_acceptance": 1.5,   # the live acceptance length below which the deploy rolls itself back
-    "prompts": 16,           # held-out prompts sent through the server to measure it
+    "min_speedup": 1.0,      # tokens/s with the draft / without, at 1 and at ``concurrency``, below which it does
+    "prompts": 16,           # prompts sent through the server to measure it
     "max_tokens": 64,        # new tokens per prompt
-    "concurrency": 4,        # requests in flight while measuring
+    "concurrency": 4,        # requests in flight, the service's usual load (measured besides one at a time)
+    "traffic": None,         # a file of your own prompts on the host to measure with (else the evaluation set)
 }
 
 
@@ -131,9 +139,11 @@ def checked_checkpoint(train_artifacts, run_id):
     return ckpt, files
 
 
-def heldout_prompts(workdir, train_run, code_dir, n):
-    """Up to ``n`` held-out conversations of the pipeline that trained the draft: prepare's
-    heldout.jsonl, found by walking the runs' recorded inputs; else the shipped prompt set's tail."""
+def heldout_prompts(workdir, train_run):
+    """``(category, messages)`` of the held-out prompts of the pipeline that trained the draft (prepare's
+    heldout.jsonl, found by walking the runs' recorded inputs), and the run they came from."""
+    from stages.lib import conversations
+
     runs = os.path.join(workdir, "runs")
     todo, seen = [train_run], set()
     while todo:
@@ -143,15 +153,49 @@ def heldout_prompts(workdir, train_run, code_dir, n):
         seen.add(rid)
         path = os.path.join(runs, rid, "artifacts", "heldout.jsonl")
         if os.path.exists(path):
-            with open(path) as f:
-                prompts = [json.loads(line)["messages"] for line in f if line.strip()]
+            prompts = conversations.read_prompts(path)
             if prompts:
-                return prompts[:n], "held-out prompts of run %s" % rid
+                return prompts, rid
         spec = read_json(os.path.join(runs, rid, "spec.json"), {})
         todo.extend((spec.get("input_runs") or {}).values())
-    with open(os.path.join(code_dir, "stages", "data", "prompts.jsonl")) as f:
-        prompts = [json.loads(line)["messages"] for line in f if line.strip()]
-    return prompts[-n:], "the shipped prompt set's last %d" % n
+    return [], None
+
+
+def measuring_prompts(spec, cfg, train_run, n):
+    """Up to ``n`` prompts to measure the server with, and where they come from: ``traffic`` (your own
+    prompts) when given; else the pipeline's held-out prompts and the shipped out-of-distribution sets
+    (stages/data/eval/), one category after another in turn, so each weighs alike."""
+    import itertools
+
+    from stages.lib import conversations
+
+    if cfg.get("traffic"):
+        path = os.path.expanduser(cfg["traffic"])
+        if not os.path.isfile(path):
+            raise DeployFailed("deploy.traffic: %s is not a file on the host; copy your prompt sample there or "
+                               "unset deploy.traffic" % path)
+        try:
+            rows = conversations.load_conversations(path, "train", "deploy")
+        except SystemExit as e:
+            raise DeployFailed(str(e).replace("stage deploy: ", "deploy.traffic: "))
+        prompts = [p for p in map(conversations.first_turn, rows) if p]
+        if not prompts:
+            raise DeployFailed("deploy.traffic: %s holds no user prompt" % path)
+        return prompts[:n], "%d prompts of %s" % (min(n, len(prompts)), path)
+    held, rid = heldout_prompts(spec["workdir"], train_run)
+    groups = {}
+    for name, messages in held:
+        groups.setdefault(name, []).append(messages)
+    shipped = os.path.join(spec["code_dir"], "stages", "data", "eval")
+    for name in sorted(f[:-len(".jsonl")] for f in (os.listdir(shipped) if os.path.isdir(shipped) else [])
+                       if f.endswith(".jsonl")):
+        with open(os.path.join(shipped, name + ".jsonl")) as f:
+            groups.setdefault(name if name not in groups else "eval " + name, []).extend(
+                json.loads(line)["messages"] for line in f if line.strip())
+    rounds = itertools.zip_longest(*groups.values())
+    prompts = [m for row in rounds for m in row if m is not None][:n]
+    return prompts, "%d prompts from %s" % (len(prompts), ", ".join(groups)) + (
+        " (held out by run %s)" % rid if rid else "")
 
 
 class Terminated(Exception):
@@ -195,17 +239,61 @@ def history(workdir, entry):
         f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
-def measured(service, prompts, cfg):
-    """The live acceptance over ``prompts`` by vLLM's own counters."""
+def concurrencies(cfg):
+    """One request at a time, and the service's usual load."""
+    return sorted({1, int(cfg["concurrency"])})
+
+
+def speed(service, prompts, cfg, ddir, label):
+    """The server's speed on ``prompts`` by vLLM's own benchmark client, per concurrency."""
+    from stages.lib import servebench, specdecode
+
+    model = specdecode.served_model(service.url)
+    tokenizer = model if os.path.isdir(model) else (service.config.get("model") or {}).get("path") or model
+    trust = bool((service.config.get("model") or {}).get("trust_remote_code"))
+    out = {}
+    for c in concurrencies(cfg):
+        say("measuring the server %s: %d prompts, %d in flight (vLLM's benchmark client)" % (label, len(prompts), c))
+        try:
+            out[str(c)] = servebench.run(service.url, model, tokenizer, prompts, cfg["max_tokens"], c,
+                                         os.path.join(ddir, "bench"), "%s-c%d" % (label.replace(" ", "-"), c),
+                                         trust_remote_code=trust)
+        except servebench.BenchFailed as e:
+            raise DeployFailed("measuring the server %s: %s" % (label, e))
+    return out
+
+
+def with_draft(service, prompts, cfg, ddir):
+    """The server running the draft: its speed, and vLLM's spec-decode counters over those requests."""
     from stages.lib import specdecode
 
-    m = specdecode.measure(service.url, prompts, cfg["max_tokens"], cfg["concurrency"],
-                           on_done=lambda d, t: print("@@progress " + json.dumps({"done": d, "total": t,
-                                                                                   "unit": "prompts"}), flush=True))
-    if not m["drafts"]:
+    before = specdecode.read(service.url)
+    fast = speed(service, prompts, cfg, ddir, "with the draft")
+    live = specdecode.summary(before, specdecode.read(service.url))
+    if not live["drafts"]:
         raise DeployFailed("the server proposed no draft tokens for %d prompts: it does not run the draft "
                            "(see the server log)" % len(prompts))
-    return m
+    return fast, live
+
+
+def speedups(without, fast):
+    """tokens/s with the draft / without, per concurrency."""
+    return {c: round(fast[c]["tokens_per_s"] / without[c]["tokens_per_s"], 3) for c in fast
+            if without.get(c, {}).get("tokens_per_s")}
+
+
+def verdict(live, without, fast, cfg):
+    """Why the draft must go (None: it stays): too few tokens accepted, or a server slower with it."""
+    if live["acceptance_length"] < cfg["min_acceptance"]:
+        return "live acceptance length %.3f is below deploy.min_acceptance %.2f" % (
+            live["acceptance_length"], cfg["min_acceptance"])
+    for c, ratio in sorted(speedups(without, fast).items(), key=lambda kv: int(kv[0])):
+        if ratio < cfg["min_speedup"]:
+            return ("with the draft the server makes %.1f tokens/s against %.1f without it at %s in flight "
+                    "(%.2fx, below deploy.min_speedup %.2f; acceptance length %.3f)" % (
+                        fast[c]["tokens_per_s"], without[c]["tokens_per_s"], c, ratio, cfg["min_speedup"],
+                        live["acceptance_length"]))
+    return None
 
 
 def switch_back(service, code_dir, previous, was_running, why):
@@ -224,10 +312,13 @@ def deploy(spec, cfg, service):
     workdir, did, code_dir = spec["workdir"], spec["run_id"], spec["code_dir"]
     train_run = (spec.get("input_runs") or {}).get("train")
     ckpt, files = checked_checkpoint(spec["inputs"]["train"], train_run)
-    prompts, source = heldout_prompts(workdir, train_run, code_dir, cfg["prompts"])
     if not service.url:
         raise DeployFailed("the service has no url to measure it through: set hosts.<host>.service.url")
-    say("checkpoint of run %s verified (%d files); measuring with %d %s" % (train_run, len(files), len(prompts), source))
+    prompts, source = measuring_prompts(spec, cfg, train_run, cfg["prompts"])
+    if not prompts:
+        raise DeployFailed("no prompts to measure the server with: run %s has no held-out prompts and no eval "
+                           "set is shipped; set deploy.traffic to a file of prompts on the host" % train_run)
+    say("checkpoint of run %s verified (%d files); measuring with %s" % (train_run, len(files), source))
     ddir = os.path.join(workdir, "deploys", did)
     os.makedirs(ddir, exist_ok=True)
     installed = install(ckpt, files, os.path.join(ddir, "checkpoint"))
@@ -235,18 +326,29 @@ def deploy(spec, cfg, service):
     draft = {"deploy_id": did, "run_id": train_run, "checkpoint": installed, "k": int(cfg["k"]),
              "files": files, "installed_at": now()}
     record = {"deploy_id": did, "action": "deploy", "run_id": train_run, "checkpoint": installed, "k": int(cfg["k"]),
-              "min_acceptance": cfg["min_acceptance"], "started_at": now(), "replaced": previous,
-              "was_running": was_running, "state": "switching"}
+              "min_acceptance": cfg["min_acceptance"], "min_speedup": cfg["min_speedup"], "prompts": source,
+              "started_at": now(), "replaced": previous, "was_running": was_running, "state": "measuring"}
     write_json(os.path.join(ddir, "deploy.json"), record)
-    service.set_draft(draft)
-    measurement = None
-    # from here on the host serves (or is switching to) the new draft: whatever fails, the previous server
-    # is put back (a stop command that fails, a reply that does not parse, a TERM from inv runs.stop)
+    measurement, without, fast = None, None, None
+    # from here on the host may be restarted: whatever fails, the previous server is put back (a stop
+    # command that fails, a reply that does not parse, a TERM from inv runs.stop)
     previous_term = signal.signal(signal.SIGTERM, _term_as_error)
     try:
-        ok, why = restart(service, code_dir)
+        ok, why = True, None
+        if previous or not service.healthy():  # the figure to beat is the server without any draft
+            say("restarting the server without a draft to measure it")
+            service.set_draft(None)
+            ok, why = restart(service, code_dir)
         if ok:
-            measurement = measured(service, prompts, cfg)
+            without = speed(service, prompts, cfg, ddir, "without a draft")
+            record.update(state="switching", without_draft=without)
+            write_json(os.path.join(ddir, "deploy.json"), record)
+            service.set_draft(draft)
+            ok, why = restart(service, code_dir)
+        if ok:
+            fast, measurement = with_draft(service, prompts, cfg, ddir)
+            measurement.update(prompts=len(prompts), speed=fast, without_draft=without,
+                               speedup=speedups(without, fast))
     except DeployFailed as e:
         ok, why = False, str(e)
     except OSError as e:
@@ -255,17 +357,21 @@ def deploy(spec, cfg, service):
         ok, why = False, "%s: %s" % (type(e).__name__, e)
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-    if ok and measurement["acceptance_length"] < cfg["min_acceptance"]:
-        ok, why = False, ("live acceptance length %.3f is below deploy.min_acceptance %.2f"
-                          % (measurement["acceptance_length"], cfg["min_acceptance"]))
     if ok:
-        say("live acceptance length %.3f (rate %.3f, %s tokens/s) >= %.2f: kept"
-            % (measurement["acceptance_length"], measurement["acceptance_rate"], measurement.get("tokens_per_s"),
-               cfg["min_acceptance"]))
+        why = verdict(measurement, without, fast, cfg)
+        ok = why is None
+    summary = {"acceptance_length": (measurement or {}).get("acceptance_length"),
+               "speedup": (measurement or {}).get("speedup")}
+    if ok:
+        say("live acceptance length %.3f >= %.2f; %s: kept" % (
+            measurement["acceptance_length"], cfg["min_acceptance"], ", ".join(
+                "%.1f tokens/s with the draft against %.1f without at %s in flight (%.2fx)" % (
+                    fast[c]["tokens_per_s"], without[c]["tokens_per_s"], c, r)
+                for c, r in measurement["speedup"].items())))
         record.update(state="deployed", ended_at=now(), measurement=measurement)
         write_json(os.path.join(ddir, "deploy.json"), record)
         history(workdir, {k: record[k] for k in ("deploy_id", "action", "run_id", "state", "started_at", "ended_at")}
-                | {"acceptance_length": measurement["acceptance_length"]})
+                | summary)
         return {"deploy_id": did, "state": "deployed", "run_id": train_run, "checkpoint": installed,
                 "k": int(cfg["k"]), "measurement": measurement, "replaced": previous}
     back_ok, back = switch_back(service, code_dir, previous, was_running, why)
@@ -273,7 +379,7 @@ def deploy(spec, cfg, service):
                   rollback_healthy=back_ok, rollback=back)
     write_json(os.path.join(ddir, "deploy.json"), record)
     history(workdir, {k: record[k] for k in ("deploy_id", "action", "run_id", "state", "started_at", "ended_at",
-                                             "reason")})
+                                             "reason")} | summary)
     raise DeployFailed("rolled back: %s; the service is %s" % (why, back))
 
 

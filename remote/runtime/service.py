@@ -334,6 +334,7 @@ class Service:
             rec = read_json(os.path.join(self.workdir, "deploys", draft.get("deploy_id", "?"), "deploy.json")) or {}
             out["deploy"] = {k: rec.get(k) for k in ("deploy_id", "run_id", "state", "started_at", "ended_at")}
             out["deploy"]["acceptance_length"] = (rec.get("measurement") or {}).get("acceptance_length")
+            out["deploy"]["speedup"] = (rec.get("measurement") or {}).get("speedup")
         out["history"] = self.history(5)
         return out
 
