@@ -97,7 +97,7 @@ def main() -> int:
     held = [json.loads(l)["messages"] for l in (workdir / "runs" / prep / "artifacts" / "heldout.jsonl").read_text().splitlines()]
     categories = {"held-out": held[:args.prompts]}
     for path in sorted(EVAL_SETS.glob("*.jsonl")):
-        categories[path.stem] = [json.loads(l)["messages"] for l in path.read_text().splitlines() if l.strip()][:args.prompts]
+        categories["ood-" + path.stem] = [json.loads(l)["messages"] for l in path.read_text().splitlines() if l.strip()][:args.prompts]
     print(f"draft: train run {train}; per category {args.prompts} prompts ({', '.join(categories)}; held out by run "
           f"{prep}), {args.max_tokens} new tokens each, one request at a time; server {url}", flush=True)
 

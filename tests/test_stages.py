@@ -210,9 +210,9 @@ def test_eval_sets_are_first_turns_of_each_set_up_to_the_limit(tmp_path):
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"},
         {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]}) + "\n" for i in range(5)))
-    got = conversations.evaluation_sets({"code": "builtin:eval/code", "mine": str(tmp_path / "mine.jsonl")}, 3,
+    got = conversations.evaluation_sets({"ood-code": "builtin:eval/code", "mine": str(tmp_path / "mine.jsonl")}, 3,
                                         "train", "evaluate")
-    assert [name for name, _ in got] == ["code"] * 3 + ["mine"] * 3
+    assert [name for name, _ in got] == ["ood-code"] * 3 + ["mine"] * 3
     assert got[-1][1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q2"}]
     shipped = (REMOTE / "stages" / "data" / "eval" / "code.jsonl").read_text().splitlines()
     assert [m for _, m in got[:3]] == [json.loads(line)["messages"] for line in shipped[:3]]

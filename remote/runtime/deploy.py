@@ -190,7 +190,7 @@ def measuring_prompts(spec, cfg, train_run, n):
     for name in sorted(f[:-len(".jsonl")] for f in (os.listdir(shipped) if os.path.isdir(shipped) else [])
                        if f.endswith(".jsonl")):
         with open(os.path.join(shipped, name + ".jsonl")) as f:
-            groups.setdefault(name if name not in groups else "eval " + name, []).extend(
+            groups.setdefault("ood-" + name, []).extend(
                 json.loads(line)["messages"] for line in f if line.strip())
     rounds = itertools.zip_longest(*groups.values())
     prompts = [m for row in rounds for m in row if m is not None][:n]

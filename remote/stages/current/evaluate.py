@@ -52,9 +52,9 @@ GPU = True                   # runs the target and the draft
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
     "k": 3,                        # draft tokens per speculative step
     "eval_sets": {                 # {category: source} of prompts never trained on, measured beside the held-out
-        "code": "builtin:eval/code",        # ones (sources as pipeline.dataset's)
-        "math": "builtin:eval/math",
-        "writing": "builtin:eval/writing",
+        "ood-code": "builtin:eval/code",    # ones (sources as pipeline.dataset's; a name apart from its categories)
+        "ood-math": "builtin:eval/math",
+        "ood-writing": "builtin:eval/writing",
     },
     "eval_prompts": 24,            # prompts of each eval set
     "speed_prompts": 8,            # prompts of each category timed one at a time, with and without the draft
@@ -188,7 +188,8 @@ def main(spec: dict) -> dict:
         common.fail(STAGE, f"pipeline.eval_sets.{clash[0]} has the name of a pipeline.dataset source's category; "
                            "rename the eval set")
     model_path = common.model_dir(spec)
-    groups = fitting(heldout + evaluation, common.load_tokenizer(spec, model_path), cfg.max_seq_len)
+    groups, left_out = fitting(heldout + evaluation, common.load_tokenizer(spec, model_path), cfg.max_seq_len)
+    held_names = [n for n in held_names if n in groups]
     # the speed phase: the held-out prompts together, taken from each source in turn, and each eval set
     rounds = itertools.zip_longest(*(groups[n] for n in held_names))
     timed = {HELDOUT: [m for row in rounds for m in row if m is not None]}
@@ -262,7 +263,8 @@ def main(spec: dict) -> dict:
         common.log(f"WARNING: vLLM serving the draft and the offline replay disagree by {gap:.3f} (> {GAP_WARNING}): "
                    "the draft is not served as it was trained (capture layer ids, vocabulary mapping, checkpoint "
                    "format); compare extract.json's layer ids with the checkpoint's config.json")
-    metrics = {"acceptance_length": held_live["acceptance_length"], "k": k, "prompts": len(heldout),
+    metrics = {"acceptance_length": held_live["acceptance_length"], "k": k,
+               "prompts": sum(len(groups[n]) for n in held_names), "left_out": left_out,
                "generated_tokens": generated, "measured_with": "vllm", "vllm": held_live, "offline": offline,
                "gap": gap, "agree": gap <= GAP_WARNING, "categories": categories,
                "speed_prompts": cfg.speed_prompts, "max_new_tokens": cfg.max_new_tokens}
@@ -275,9 +277,10 @@ def main(spec: dict) -> dict:
 HELDOUT = "held-out (all)"
 
 
-def fitting(prompts: list, tokenizer, max_len: int) -> dict:
-    """``(category, messages)`` -> {category: [messages]}, leaving out (and saying so) the prompts whose
-    chat-templated tokens exceed ``max_len``: the server takes max_seq_len + max_new_tokens at most."""
+def fitting(prompts: list, tokenizer, max_len: int) -> tuple[dict, dict]:
+    """``(category, messages)`` -> ({category: [messages]}, {category: prompts left out}): a prompt whose
+    chat-templated tokens exceed ``max_len`` is left out, and said in the log (the server takes
+    max_seq_len + max_new_tokens tokens at most)."""
     groups: dict[str, list] = {}
     dropped: dict[str, int] = {}
     for name, messages in prompts:
@@ -288,7 +291,7 @@ def fitting(prompts: list, tokenizer, max_len: int) -> dict:
         groups.setdefault(name, []).append(messages)
     for name, n in dropped.items():
         common.log(f"{n} {name} prompts are longer than pipeline.max_seq_len {max_len} tokens: left out")
-    return groups
+    return groups, dropped
 
 
 def category_row(name: str, kind: str, live: dict, pairs: list, in_vocab: list) -> dict:
