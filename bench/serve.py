@@ -30,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 #: (acceptance length, speedup) each category must reach: the held-out prompts, and any other set
 BARS = {"held-out": (2.0, 1.5), "other": (1.6, 1.15)}
@@ -73,6 +75,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="A B pairs")
     ap.add_argument("--keep-draft", action="store_true", help="leave the draft deployed at the end")
+    ap.add_argument("--narrow", action="store_true",
+                    help="also train a draft on one chat template and check that inv deploy rolls it back for its speed")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from harness.inventory import load_inventory
@@ -156,6 +160,8 @@ def main() -> int:
         results[cat] = {"speedup": round(speedup, 3), "acceptance_length": round(acceptance, 3)}
         print(f"{cat:12s} {sum(a) / len(a):9.2f} {sum(x['tokens_per_s'] for x in b) / len(b):9.2f} {speedup:7.3f}x "
               f"{acceptance:10.3f}  {'PASS' if good else 'FAIL'} (bars: acceptance >= {bar_acc}, speedup >= {bar_speed}x)")
+    if args.narrow:
+        ok &= narrow_draft_is_rolled_back(args, without_draft, status)
     if not args.keep_draft:
         without_draft()
         st = status()
@@ -163,6 +169,42 @@ def main() -> int:
         ok &= good
         print(f"{'deploy --rollback: healthy, no draft':45s} {str(good):>9s}  {'PASS' if good else 'FAIL'}")
     return 0 if ok else 1
+
+
+#: the one template the narrow draft is trained on (60 of the shipped chat prompts)
+NARROW_TEMPLATE = "Write a haiku about "
+
+
+def narrow_draft_is_rolled_back(args, without_draft, status) -> bool:
+    """A draft trained on one template (the haikus of the shipped chat set), deployed with the inventory's
+    own gates over the healthy server without a draft: the deploy must roll it back for its speed,
+    with both figures in its message."""
+    import tempfile
+
+    chat = (REPO / "remote" / "stages" / "data" / "chat.jsonl").read_text().splitlines()
+    haikus = [line for line in chat if json.loads(line)["messages"][0]["content"].startswith(NARROW_TEMPLATE)]
+    tmp = Path(tempfile.mkdtemp(prefix="narrow-"))
+    (tmp / "haikus.jsonl").write_text("\n".join(haikus) + "\n")
+    inv_doc = yaml.safe_load(Path(args.inventory).read_text())
+    host = inv_doc["hosts"][args.hosts]
+    host["pipeline"] = {**(host.get("pipeline") or {}), "dataset": str(tmp / "haikus.jsonl"),
+                        "samples": len(haikus) - 8, "heldout": 8, "epochs": 3, "val_fraction": 0.05}
+    narrow_inv = tmp / "inventory.yaml"
+    narrow_inv.write_text(yaml.safe_dump(inv_doc, sort_keys=False))
+    t = time.perf_counter()
+    done = json.loads(inv("pipeline", "--hosts", args.hosts, "--json", inventory=str(narrow_inv)).stdout)[args.hosts]
+    train = next(s["run_id"] for s in done if s["stage"] == "train")
+    print(f"narrow draft: {len(haikus) - 8} haiku prompts, train run {train} ({time.perf_counter() - t:.0f} s)")
+    without_draft()
+    before = status()
+    r = inv("deploy", train, "--hosts", args.hosts, inventory=args.inventory, check=False)
+    line = next((ln for ln in r.stderr.splitlines() if ln.startswith("error:")), "")
+    after = status()
+    good = (r.returncode == 1 and "below deploy.min_speedup" in line and "tokens/s against" in line
+            and bool(after.get("healthy")) and not after.get("draft") and before.get("healthy"))
+    print(f"narrow draft deployed: exit {r.returncode}: {line or r.stdout.strip()[-300:]}")
+    print(f"{'narrow draft rolled back for its speed':45s} {str(good):>9s}  {'PASS' if good else 'FAIL'}")
+    return good
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -220,7 +220,7 @@ class PipelineSpec(_Strict):
     dataset: str | dict[str, float] = _default("dataset", validate_default=True)
     dataset_split: str = _default("dataset_split")
     #: {category: source} of prompts never trained on that evaluate measures beside the held-out ones
-    eval_sets: dict[str, str] = _default("eval_sets")
+    eval_sets: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")], str] = _default("eval_sets")
     #: prompts of each eval set
     eval_prompts: int = _default("eval_prompts", ge=1)
     #: prompts of each category evaluate times one at a time, with and without the draft (0: none)
@@ -286,20 +286,11 @@ class PipelineSpec(_Strict):
     @field_validator("dataset")
     @classmethod
     def _dataset_weights(cls, v: str | dict[str, float]) -> str | dict[str, float]:
-        if isinstance(v, dict):
-            if not v:
-                raise ValueError("an empty mapping: give one source or {source: weight}")
-            for name, weight in v.items():
-                if weight <= 0:
-                    raise ValueError(f"source {name!r} has weight {weight}: a positive number")
-        return v
-
-    @field_validator("eval_sets")
-    @classmethod
-    def _eval_set_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for name in v:
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-                raise ValueError(f"{name!r} is not a category name (letters, digits, _ . -)")
+        if isinstance(v, dict) and not v:
+            raise ValueError("an empty mapping: give one source or {source: weight}")
+        bad = [(name, w) for name, w in (v.items() if isinstance(v, dict) else ()) if w <= 0]
+        if bad:
+            raise ValueError(f"source {bad[0][0]!r} has weight {bad[0][1]}: give a positive number")
         return v
 
     @field_validator("loss_fn")

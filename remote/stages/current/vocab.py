@@ -14,7 +14,7 @@ READS = ("prepare",)         # the stages whose artifacts this one reads: prepar
 GPU = False                  # counting tokens: no model runs
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
     "draft_vocab_size": 32000,     # the draft's vocabulary: this many of the target's most frequent tokens
-    "coverage_warning": 0.9,       # a category whose tokens the draft vocabulary covers less is warned of
+    "coverage_warning": 0.8,       # a category whose tokens the draft vocabulary covers less is warned of
 }
 
 
