@@ -71,12 +71,38 @@ def test_plan_sizes_kimi_k25_at_full_scale_and_says_it_does_not_fit(tmp_path, ss
 
 def _fake_prepare(workdir, run_id: str, samples: int, tokens: int) -> None:
     """A prepare run that succeeded on the host, as the runner leaves it (status.json, result.json)."""
+    _fake_run(workdir, run_id, {"samples": samples, "tokens": tokens})
+
+
+def _fake_run(workdir, run_id: str, result: dict) -> None:
+    """A run that succeeded on the host, as the runner leaves it (status.json, result.json)."""
     run = workdir / "runs" / run_id
     (run / "artifacts").mkdir(parents=True)
     now = time.time()
     (run / "status.json").write_text(json.dumps({"run_id": run_id, "state": "succeeded", "exit_code": 0,
                                                  "started_ts": now - 60, "finished_ts": now}))
-    (run / "result.json").write_text(json.dumps({"samples": samples, "tokens": tokens}))
+    (run / "result.json").write_text(json.dumps(result))
+
+
+def test_the_plan_warns_of_a_draft_vocabulary_that_misses_the_held_out_prompts(tmp_path, sshd_factory,
+                                                                                current_python):
+    """Once a vocab run with these settings has counted the held-out prompts' coverage, the plan names each
+    category below pipeline.coverage_warning and the setting to raise; the others pass unnamed."""
+    model = build_tiny_model(tmp_path / "tiny")
+    inventory, workdir = _host(tmp_path, sshd_factory, current_python, model,
+                               {"samples": 16, "max_seq_len": 96, "draft_vocab_size": 64}, name="vocabhost")
+    env = {"HARNESS_INVENTORY": str(inventory), "HARNESS_RUNS_DIR": str(tmp_path / "runs")}
+    p = json.loads(run_inv("pipeline", "--plan", "--json", "--hosts", "vocabhost", env=env).stdout)["vocabhost"]
+    assert p["warnings"] == []  # nothing counted yet
+    vocab = next(s for s in p["stages"] if s["stage"] == "vocab")["run_id"]
+    _fake_run(workdir, vocab, {"draft_vocab_size": 64, "heldout_coverage": {"chat": 0.93, "code": 0.53}})
+    r = run_inv("pipeline", "--plan", "--hosts", "vocabhost", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads(run_inv("pipeline", "--plan", "--json", "--hosts", "vocabhost", env=env).stdout)["vocabhost"]
+    assert p["warnings"] == ["the draft vocabulary (64 tokens) holds 53.0% of the held-out code prompts' tokens "
+                             "(< pipeline.coverage_warning 0.8): raise pipeline.draft_vocab_size, or give "
+                             "pipeline.dataset more such prompts"], p["warnings"]
+    assert "53.0%" in r.stdout and "93.0%" not in r.stdout, r.stdout  # the table shows it too
 
 
 def test_the_pipeline_refuses_an_extraction_that_cannot_fit(tmp_path, sshd_factory, current_python):
