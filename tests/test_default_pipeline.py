@@ -18,21 +18,17 @@ import yaml
 from conftest import REPO, chain_acceptance, free_port, native_bf16, run_inv
 from harness import pipeline
 
-#: the held-out acceptance length (k = 3, 64 prompts) below which the shipped settings have regressed: they
-#: measure 2.0-2.03 (bench/pipeline.py; training is deterministic, vLLM's regenerated replies vary a little)
-ACCEPTANCE_BAR = 1.8
+#: the held-out acceptance length (k = 3, 64 prompts of the default mix: chat, code, math, writing, extraction,
+#: several languages, multi-turn) below which the shipped settings have regressed; bench/pipeline.py measures it
+ACCEPTANCE_BAR = 1.6
 
 
-# The default job is sized to the issue's 15-minute bar on a 2-core machine with native bf16 (11 min with AMX
-# there). Without it the stages compute in float32 and the job took about 24 minutes on two cores
-# with 1100 samples and 4 epochs (prepare 6.6, extract 4.2, train 10.1, evaluate 2.8; ~28 with 1136 and 5),
-# more than what the suite's budget has left beside both stacks' tests (bench/pipeline.py runs it there).
-# There the same job, the shipped inventory's local host on the GGUF's SmolLM2, runs with fewer samples
-# and epochs (these settings go over the host's own), and its draft must beat a lower bar: on a 2-core
-# EPYC without bf16 it took 12.8 min and measured 1.39 (256 samples: 15 min, 1.42); most of it is the
-# three vLLM starts and the regeneration, so fewer samples would save little more.
+# The default job is sized to 15 minutes on a 2-core machine with native bf16. Without it the stages compute
+# in float32 and the job takes about twice as long, more than what the suite's budget has left beside both
+# stacks' tests: there the same job, the shipped inventory's local host on the GGUF's SmolLM2, runs with
+# fewer samples and epochs (these settings go over the host's own), and its draft must beat a lower bar.
 SMALLER_JOB = {"samples": 128, "heldout": 16, "epochs": 2}
-SMALLER_JOB_BAR = 1.3
+SMALLER_JOB_BAR = 1.2
 
 
 @pytest.mark.timeout(4200)

@@ -161,10 +161,10 @@ def heldout_prompts(workdir, train_run):
     return [], None
 
 
-def measuring_prompts(spec, cfg, train_run, n):
-    """Up to ``n`` prompts to measure the server with, and where they come from: ``traffic`` (your own
-    prompts) when given; else the pipeline's held-out prompts and the shipped out-of-distribution sets
-    (stages/data/eval/), one category after another in turn, so each weighs alike."""
+def measuring_prompts(spec, cfg, train_run):
+    """The prompts to measure the server with, in the order they are taken, and where they come from:
+    ``traffic`` (your own prompts) when given; else the pipeline's held-out prompts and the shipped
+    out-of-distribution sets (stages/data/eval/), one category after another in turn, so each weighs alike."""
     import itertools
 
     from stages.lib import conversations
@@ -181,7 +181,7 @@ def measuring_prompts(spec, cfg, train_run, n):
         prompts = [p for p in map(conversations.first_turn, rows) if p]
         if not prompts:
             raise DeployFailed("deploy.traffic: %s holds no user prompt" % path)
-        return prompts[:n], "%d prompts of %s" % (min(n, len(prompts)), path)
+        return prompts, path
     held, rid = heldout_prompts(spec["workdir"], train_run)
     groups = {}
     for name, messages in held:
@@ -193,9 +193,8 @@ def measuring_prompts(spec, cfg, train_run, n):
             groups.setdefault("ood-" + name, []).extend(
                 json.loads(line)["messages"] for line in f if line.strip())
     rounds = itertools.zip_longest(*groups.values())
-    prompts = [m for row in rounds for m in row if m is not None][:n]
-    return prompts, "%d prompts from %s" % (len(prompts), ", ".join(groups)) + (
-        " (held out by run %s)" % rid if rid else "")
+    prompts = [m for row in rounds for m in row if m is not None]
+    return prompts, "prompts from %s" % ", ".join(groups) + (" (held out by run %s)" % rid if rid else "")
 
 
 class Terminated(Exception):
@@ -244,13 +243,33 @@ def concurrencies(cfg):
     return sorted({1, int(cfg["concurrency"])})
 
 
-def speed(service, prompts, cfg, ddir, label):
-    """The server's speed on ``prompts`` by vLLM's own benchmark client, per concurrency."""
-    from stages.lib import servebench, specdecode
+def client(service):
+    """(served model name, tokenizer, trust_remote_code) for vLLM's benchmark client."""
+    from stages.lib import specdecode
 
     model = specdecode.served_model(service.url)
     tokenizer = model if os.path.isdir(model) else (service.config.get("model") or {}).get("path") or model
-    trust = bool((service.config.get("model") or {}).get("trust_remote_code"))
+    return model, tokenizer, bool((service.config.get("model") or {}).get("trust_remote_code"))
+
+
+def servable(service, candidates, cfg):
+    """The first ``prompts`` of the candidates that the running server can answer (its max_model_len)."""
+    from stages.lib import servebench
+
+    _, tokenizer, trust = client(service)
+    prompts = servebench.servable(service.url, tokenizer, candidates, cfg["max_tokens"], trust)[:cfg["prompts"]]
+    if not prompts:
+        raise DeployFailed("none of the %d prompts fits the server's max_model_len with deploy.max_tokens %d new "
+                           "tokens; lower deploy.max_tokens or give deploy.traffic shorter prompts"
+                           % (len(candidates), cfg["max_tokens"]))
+    return prompts
+
+
+def speed(service, prompts, cfg, ddir, label):
+    """The server's speed on ``prompts`` by vLLM's own benchmark client, per concurrency."""
+    from stages.lib import servebench
+
+    model, tokenizer, trust = client(service)
     out = {}
     for c in concurrencies(cfg):
         say("measuring the server %s: %d prompts, %d in flight (vLLM's benchmark client)" % (label, len(prompts), c))
@@ -314,11 +333,12 @@ def deploy(spec, cfg, service):
     ckpt, files = checked_checkpoint(spec["inputs"]["train"], train_run)
     if not service.url:
         raise DeployFailed("the service has no url to measure it through: set hosts.<host>.service.url")
-    prompts, source = measuring_prompts(spec, cfg, train_run, cfg["prompts"])
+    prompts, source = measuring_prompts(spec, cfg, train_run)
     if not prompts:
         raise DeployFailed("no prompts to measure the server with: run %s has no held-out prompts and no eval "
                            "set is shipped; set deploy.traffic to a file of prompts on the host" % train_run)
-    say("checkpoint of run %s verified (%d files); measuring with %s" % (train_run, len(files), source))
+    say("checkpoint of run %s verified (%d files); measuring with %d %s" % (train_run, len(files),
+                                                                            min(len(prompts), cfg["prompts"]), source))
     ddir = os.path.join(workdir, "deploys", did)
     os.makedirs(ddir, exist_ok=True)
     installed = install(ckpt, files, os.path.join(ddir, "checkpoint"))
@@ -340,6 +360,7 @@ def deploy(spec, cfg, service):
             service.set_draft(None)
             ok, why = restart(service, code_dir)
         if ok:
+            prompts = servable(service, prompts, cfg)
             without = speed(service, prompts, cfg, ddir, "without a draft")
             record.update(state="switching", without_draft=without)
             write_json(os.path.join(ddir, "deploy.json"), record)

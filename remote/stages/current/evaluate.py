@@ -57,7 +57,7 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
         "ood-writing": "builtin:eval/writing",
     },
     "eval_prompts": 24,            # prompts of each eval set
-    "speed_prompts": 8,            # prompts of each category timed one at a time, with and without the draft
+    "speed_prompts": 4,            # prompts of each category timed one at a time, with and without the draft
     "coverage_warning": 0.8,       # a category whose reply tokens the draft vocabulary covers less is warned of
     "dataset_split": "train",      # the split of a hub eval set
     "max_new_tokens": 128,         # the longest continuation of a held-out prompt

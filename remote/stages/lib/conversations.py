@@ -175,10 +175,11 @@ def evaluation_sets(eval_sets: dict, limit: int, split_name: str, stage: str) ->
     return out
 
 
-def read_prompts(path: Path) -> list[tuple[str, list]]:
+def read_prompts(path) -> list[tuple[str, list]]:
     """``(category, messages)`` of a prompts file as ``write_heldout`` writes it (a row without a
     category, from an older run, is ``held-out``)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     return [(row.get("category") or "held-out", row["messages"]) for row in rows]
 
 

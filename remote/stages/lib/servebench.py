@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 #: vLLM's own client, as its console script would run it (``FlexibleArgumentParser`` moved in 0.11)
 CLIENT = """
@@ -37,6 +38,25 @@ class BenchFailed(Exception):
 def first_prompt(messages: list) -> str:
     """The text the client sends: the conversation's first user turn (the client templates one turn)."""
     return next(t["content"] for t in messages if t["role"] == "user")
+
+
+def servable(url: str, tokenizer: str, prompts: list, max_tokens: int, trust_remote_code: bool = False) -> list:
+    """The prompts the server at ``url`` can answer with ``max_tokens`` new tokens: the client's templated
+    prompt plus those within the server's max_model_len (a longer one is refused, and never measured)."""
+    from transformers import AutoTokenizer
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        limit = json.loads(r.read())["data"][0].get("max_model_len")
+    if not limit:
+        return list(prompts)
+    tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    out = []
+    for messages in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": first_prompt(messages)}],
+                                       add_generation_prompt=True, tokenize=False)
+        if len(tok(text, add_special_tokens=False)["input_ids"]) + max_tokens <= limit:
+            out.append(messages)
+    return out
 
 
 def run(url: str, model: str, tokenizer: str, prompts: list, max_tokens: int, concurrency: int, workdir: str,
