@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(2400)
 
 PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
             "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 2, "lr": 3e-3,
-            "train_seq_len": 256, "val_fraction": 0.25, "seed": 0}
+            "train_seq_len": 256, "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 0, "seed": 0}
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_
         python=str(legacy_python), workdir=str(workdir), profile="cpu",
         env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})},
         model={"path": str(kimi), "trust_remote_code": True},
-        pipeline={"backend": "vllm", "samples": 24, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
+        pipeline={"backend": "vllm", "dataset": "builtin:chat", "samples": 24, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
                   "batch_size": 8, "draft_vocab_size": 128, "train_seq_len": 192, "epochs": 1, "seed": 3})
     env = {"HARNESS_INVENTORY": str(inv)}
     try:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 PIPELINE = {"dataset": "builtin:chat", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
             "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
-            "train_seq_len": 256, "val_fraction": 0.25, "seed": 0}
+            "train_seq_len": 256, "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 2, "seed": 0}
 # the tiny target's draft is not trained to be fast: its speed floor is tested on its own (a floor of 50x)
 DEPLOY = {"k": 3, "min_acceptance": 1.0, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
 
@@ -109,6 +109,14 @@ def test_evaluate_measures_live_in_vllm_and_offline(served):
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert m["gap"] == round(abs(live["acceptance_length"] - offline["acceptance_length"]), 4)
     assert m["agree"] == (m["gap"] <= 0.1)
+    # per category: the held-out chat prompts, every held-out prompt together (timed with and without the
+    # draft), and the shipped eval sets' prompts that fit max_seq_len
+    rows = {r["category"]: r for r in m["categories"]}
+    assert rows["chat"]["prompts"] == 4 and rows["held-out (all)"]["acceptance_length"] == m["acceptance_length"]
+    every = rows["held-out (all)"]
+    assert every["tokens_per_s"] > 0 and every["speedup"] == round(every["tokens_per_s"] / every["tokens_per_s_without"], 3)
+    for name in ("ood-code", "ood-math", "ood-writing"):
+        assert rows.get(name, {}).get("prompts", 0) + m["left_out"].get(name, 0) == 4, (name, rows, m["left_out"])
 
 
 def test_service_start_status_and_metrics_before_any_draft(served):
