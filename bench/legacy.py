@@ -1,6 +1,6 @@
 """The reference scenario in miniature, end to end through the harness's own CLI, with its bars.
 
-    python bench/legacy.py [--host local-legacy] [--inventory inventory.yaml] [--fresh]
+    python bench/legacy.py [--host local-legacy] [--inventory inventory.yaml] [--fresh] [--quick]
 
 On the shipped ``local-legacy`` host (speculators 0.3.0 patched for a real vLLM 0.16 on this CPU; run
 ``inv setup --hosts local-legacy`` first): ``inv audit``, ``inv pipeline`` and ``inv patch.status``, each
@@ -14,7 +14,8 @@ Prints, each with its bar:
 * the held-out acceptance length (k = 3; >= 1.6) and the pipeline's wall time per stage.
 
 ``--fresh`` removes the host's earlier runs first, so every stage runs (else unchanged ones are skipped).
-Exit status 1 when a bar is missed.
+Exit status 1 when a bar is missed. ``--quick`` shows the same figures for any host (the suite runs it on
+its tiny Kimi-shaped target after its own pipeline, so every stage is skipped) without judging them.
 """
 from __future__ import annotations
 
@@ -59,14 +60,16 @@ def main() -> int:
     ap.add_argument("--host", default="local-legacy")
     ap.add_argument("--inventory", default=str(REPO / "inventory.yaml"))
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="figures shown, bars not judged (the suite's run)")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from harness.inventory import load_inventory
 
     host = load_inventory(a.inventory).hosts[a.host]
-    if host.transport != "local":
-        raise SystemExit(f"host {a.host}: this bench reads the host's artifacts in place; use a local host")
     workdir, python = Path(os.path.expanduser(host.workdir)), os.path.expanduser(host.python)
+    if not workdir.is_dir():
+        raise SystemExit(f"host {a.host}: this bench reads the host's artifacts in place, and its workdir {workdir} "
+                         "is not on this machine; use a local host (or one on loopback)")
     if a.fresh:
         shutil.rmtree(workdir / "runs", ignore_errors=True)
 
@@ -75,7 +78,7 @@ def main() -> int:
     def bar(name: str, value, good: bool, want: str):
         nonlocal ok
         ok &= good
-        print(f"{name:<34} {str(value):<28} {'ok ' if good else 'MISS'} (bar: {want})")
+        print(f"{name:<34} {str(value):<28} {'-  ' if a.quick else 'ok ' if good else 'MISS'} (bar: {want})")
 
     rc, audit, _ = inv("audit", "--hosts", a.host, inventory=a.inventory)
     pk = (audit.get("hosts", {}).get(a.host) or {}).get("packages") or {}
@@ -104,7 +107,7 @@ def main() -> int:
     bar("held-out acceptance length (k=3)", metrics["acceptance_length"],
         metrics["acceptance_length"] >= BARS["acceptance"], f">= {BARS['acceptance']}")
     print(f"{'acceptance measured with':<34} {metrics.get('measured_with')}")
-    return 0 if ok else 1
+    return 0 if ok or a.quick else 1
 
 
 if __name__ == "__main__":

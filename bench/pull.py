@@ -59,10 +59,14 @@ def main() -> None:
     ap.add_argument("--fabric-rounds", type=int, default=1, help="Fabric is slow; fewer rounds of it")
     ap.add_argument("--dest-root", default=None,
                     help="where the pulled copies go (default: the temp dir; /dev/shm takes the local disk out)")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 MiB, one round each, bars shown but not judged: the suite runs this so the bench cannot rot")
     ap.add_argument("--nice", type=int, default=0,
                     help="run the whole measurement (sshd, ssh, rsync included) at this niceness, e.g. -10 on a "
                          "machine busy with unrelated work; every method gets the same priority")
     args = ap.parse_args()
+    if args.quick:
+        args.size_mib, args.rounds, args.fabric_rounds = 8, 1, 1
     size = args.size_mib << 20
     if args.nice:
         os.nice(args.nice)
@@ -79,14 +83,14 @@ def main() -> None:
             print(f"writing a {args.size_mib} MiB artifact through a real run ...", flush=True)
             runs.launch(conn, inv, "teststage", run_id="bench", code_root=code_root(tmp),
                         extra={"files": {"hidden.bin": size}, "random": True}, environ={}, gpu=False)
-            st = runs.follow(conn, "bench", progress=False, base=tmp / "runs", on_line=lambda l: None)
+            st = runs.follow(conn, "bench", base=tmp / "runs", on_line=lambda l: None)
             assert st["state"] == "succeeded", st
             remote = tmp / "wd" / "runs" / "bench" / "artifacts" / "hidden.bin"
             kh = tmp / "kh"
             ssh = " ".join(shlex.quote(a) for a in conn.ssh_argv(known_hosts_file=str(kh)))
 
             def ours(dest: Path) -> None:
-                res = pull(conn, "bench", dest, method="rsync", progress=False)
+                res = pull(conn, "bench", dest, method="rsync")
                 assert res.bytes == size and (dest / "hidden.bin").stat().st_size == size
 
             def plain_rsync(dest: Path) -> None:
@@ -142,9 +146,10 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in times.items()}
     print(f"medians: " + ", ".join(f"{m} {size / med[m] / 1e6:.1f} MB/s" for m in methods))
     print(f"plain rsync / Fabric get = {rate['rsync'] / rate['fabric']:.2f}x  (for reference: what rsync alone gains)")
-    print(f"ours / plain rsync      = {r_rsync:.2f}x  (bar >= 0.90: {'PASS' if r_rsync >= 0.9 else 'FAIL'})")
-    print(f"ours / Fabric get       = {r_fabric:.2f}x  (bar >= 1.50: {'PASS' if r_fabric >= 1.5 else 'FAIL'})")
-    sys.exit(0 if r_rsync >= 0.9 and r_fabric >= 1.5 else 1)
+    judged = (lambda ok: "quick: not judged") if args.quick else (lambda ok: "PASS" if ok else "FAIL")
+    print(f"ours / plain rsync      = {r_rsync:.2f}x  (bar >= 0.90: {judged(r_rsync >= 0.9)})")
+    print(f"ours / Fabric get       = {r_fabric:.2f}x  (bar >= 1.50: {judged(r_fabric >= 1.5)})")
+    sys.exit(0 if args.quick or (r_rsync >= 0.9 and r_fabric >= 1.5) else 1)
 
 
 if __name__ == "__main__":

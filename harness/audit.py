@@ -21,10 +21,14 @@ from harness.parallel import on_hosts
 from harness.results import HostFailure, HostResults
 
 
+#: a patch of the series not applied yet: not a failure, since ``inv pipeline`` applies it first
+PENDING = "not applied yet: inv pipeline applies it before its first stage (or inv patch.apply now)"
+
+
 @dataclass
 class Check:
     name: str
-    status: str  # pass | warn | fail
+    status: str  # pass | pending (a patch the pipeline applies by itself) | warn | fail
     detail: str
 
     def as_dict(self) -> dict:
@@ -69,12 +73,18 @@ def checks_for(host: HostSpec, facts: dict[str, Any]) -> list[Check]:
     if drift is not None:
         if drift["missing"]:
             out.append(Check("speculators files", "fail", f"{len(drift['missing'])} files missing: {', '.join(drift['missing'][:3])}"))
-        elif drift["edited"]:
-            out.append(Check("speculators files", "warn",
-                             f"{len(drift['edited'])} edited after install: {', '.join(drift['edited'][:3])}"
-                             + (" ..." if len(drift["edited"]) > 3 else "")))
         else:
-            out.append(Check("speculators files", "pass", f"{drift['checked']} files match pip's RECORD"))
+            # a file the patch series put where it is (its hash is the series' patched one) is no drift
+            files = (facts.get("patches") or {}).get("files") or {}
+            patched = {rel for rel in drift["edited"] if (files.get(rel) or {}).get("state") == "patched"}
+            edited = [rel for rel in drift["edited"] if rel not in patched]
+            if edited:
+                out.append(Check("speculators files", "warn",
+                                 f"{len(edited)} edited after install: {', '.join(edited[:3])}"
+                                 + (" ..." if len(edited) > 3 else "")))
+            else:
+                out.append(Check("speculators files", "pass", f"{drift['checked'] - len(patched)} files match pip's RECORD"
+                                 + (f", {len(patched)} the applied patches" if patched else "")))
     free = facts["disk"]["free_bytes"]
     out.append(Check("free disk", "pass" if free > 10 * 2**30 else "warn", f"{free / 2**30:.1f} GiB free at {facts['disk']['path']}"))
     return out + _patch_checks(facts)
@@ -164,8 +174,10 @@ def _patch_rows(prefix: str, rows: list[dict]) -> list[Check]:
     out = []
     for p in rows:
         state = p["state"]
-        level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn"}.get(state, "fail")
-        out.append(Check(f"{prefix}{p['name']}", level, state + ("" if level == "pass" else f": {p['detail']}")))
+        level = {"applied": "pass", "not needed": "pass", "applied by hand": "warn", "pristine": "pending"}.get(state, "fail")
+        detail = (PENDING if level == "pending" else
+                  state + ("" if level == "pass" else f": {p['detail']}"))
+        out.append(Check(f"{prefix}{p['name']}", level, detail))
     return out
 
 
@@ -197,7 +209,9 @@ def _patch_checks(facts: dict) -> list[Check]:
             out.append(Check("vLLM API preflight", "pass", api["skipped"]))
         elif api["mismatches"]:
             first = api["mismatches"][0]
-            out.append(Check("vLLM API preflight", "fail",
+            # every mismatch fixed by a patch of the series: the pipeline applies them before a stage runs
+            fixed = all(m.get("fixed_by") for m in api["mismatches"])
+            out.append(Check("vLLM API preflight", "pending" if fixed else "fail",
                              f"{len(api['mismatches'])} mismatches with vLLM {api['vllm']}, e.g. {first['where']}: "
                              f"{first['problem']}" + (f" (fixed by {first['fixed_by']})" if first.get("fixed_by") else "")))
         else:

@@ -120,11 +120,15 @@ def ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
 def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = None, stop: str | None = None,
                  pull: bool = True, dest_root: Path | None = None, patch: bool = True,
                  say: Callable[[str], None] | None = None, on_line: Callable[[str], None] | None = None,
+                 on_stage: Callable[[str, str, StageRun | None], None] | None = None,
                  on_pull_progress: Callable[[int, int], None] | None = None) -> list[StageRun]:
     """Run the selected stages on ``conn``'s host through the one run path (``runner.run_stage``);
     returns one ``StageRun`` per stage (raises on the first failure). ``say`` hears what the
-    pipeline decides (patched, skipped, running), ``on_line`` every log line of a running stage."""
+    pipeline decides (patched, warnings), ``on_stage`` each stage's start ``(stage, run id, None)`` and
+    end ``(stage, run id, StageRun)`` (by default said: running, skipped), ``on_line`` every log line
+    of a running stage."""
     say = say or (lambda m: None)
+    on_stage = on_stage or _say_stages(say)
     stages = select_stages(start, stop)
     inv = inv.for_host(conn.name)  # the host's own pipeline settings over the top-level ones
     res = ensure_patched(conn, say) if patch else None
@@ -157,7 +161,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
             if not sized.fits:
                 raise HarnessError(sized.refusal(), kind="does not fit")
         gpu = runner.guarded(conn.host, stage, generation)
-        say(f"{stage}: run {rid}")
+        on_stage(stage, rid, None)
         # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come
         # back healthy; queue behind it rather than be refused by the host's GPU lock
         out = runner.run_stage(conn, inv, stage, run_id=rid, inputs={d: ids[d] for d in graph.reads[stage]}, gpu=gpu,
@@ -165,7 +169,16 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
                                lock_wait=(conn.host.service.health_timeout + 600) if gpu and conn.host.service else 0,
                                pull=pull, dest=(dest_root / rid) if dest_root else None, on_line=on_line,
                                on_pull_progress=on_pull_progress)
-        if not out.ran:
-            say(f"{stage}: skipped, inputs unchanged since run {rid}")
+        on_stage(stage, rid, out)
         done.append(out)
     return done
+
+
+def _say_stages(say: Callable[[str], None]) -> Callable[[str, str, StageRun | None], None]:
+    """The default ``on_stage``: a line as each stage starts, and one for a stage skipped."""
+    def on_stage(stage: str, rid: str, out: StageRun | None) -> None:
+        if out is None:
+            say(f"{stage}: run {rid}")
+        elif not out.ran:
+            say(f"{stage}: skipped, inputs unchanged since run {rid}")
+    return on_stage

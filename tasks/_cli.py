@@ -10,6 +10,7 @@ import atexit
 import functools
 import gc
 import json
+import re
 import sys
 import threading
 from typing import Any, Callable
@@ -109,11 +110,13 @@ def print_failures(results, to: str = "err") -> None:
         console(to).print(f"[bold cyan]\\[{escape(f.host)}][/] [red]{escape(f.message)}[/]")
 
 
-def finish(results) -> None:
-    """After every host was shown: exit 1 with one ``error:`` line per failed host, if any."""
+def finish(results, printed: bool = False) -> None:
+    """After every host was shown: exit 1 with one ``error:`` line per failed host, if any: the one
+    place a failure is printed (``printed``: already shown, e.g. by each interval of a watch; exit 1
+    silently)."""
     lines = results.error_lines()
     if lines:
-        raise Exit("\n".join(lines), code=1)
+        raise Exit(None if printed else "\n".join(lines), code=1)
 
 
 class HostOutput:
@@ -134,48 +137,141 @@ class HostOutput:
         return lambda text: self.line(host, text, style)
 
 
-class StageView:
-    """A stage's log as a person follows it: ``@@progress`` lines drive a rich bar, the others are
-    printed (``@@harness`` ones dimmed), through ``echo`` when given (e.g. host-prefixed)."""
+#: log lines that tell a person nothing (library chatter): they stay in the run's log file, never on
+#: the terminal, unless --verbose. httpx's request lines, tqdm bars (carriage returns), datasets' split
+#: counters, Python warnings and the source line under them, blank lines.
+_CHATTER = re.compile(r"HTTP Request: |\r|\bit/s\]|examples/s\]|^\s*$|Warning: |^\s+warnings\.warn\(|^\s+\S+\(\S*\)$"
+                      r"|^Generating \w+ split|^\s*(Using|Loading) ")
+#: rich's logging prefix ("[02:16:43] INFO     ") and the harness's own ("@@harness 02:14:33 ")
+_LOG_PREFIX = re.compile(r"^(\[\d\d:\d\d:\d\d\] +)?(\s*(DEBUG|INFO|WARNING|ERROR) +)|^@@harness (\d\d:\d\d:\d\d )?")
 
-    def __init__(self, label: str, show: bool = True, echo: Callable[[str], None] | None = None):
-        self.label, self.show, self.echo = label, show, echo
+
+def meaningful(line: str) -> str | None:
+    """The part of a stage's log line worth a glance (the live view's last line), or None for chatter."""
+    if line.startswith(PROGRESS) or _CHATTER.search(line):
+        return None
+    text = _LOG_PREFIX.sub("", line, count=1).strip()
+    return text or None
+
+
+class LiveView:
+    """What a person watches while stages run: one live row per host (its stage, a bar with the count,
+    time elapsed and left, and the last meaningful line of the stage's log), and one line per finished
+    stage above the rows. The full logs stay in the runs' directories on the host and come back with
+    each pull (``inv runs.logs``); library chatter never reaches the terminal. ``verbose`` prints every
+    log line as well, as it comes (``[host]``-prefixed when there are several hosts). Off a terminal (a
+    pipe, CI) there are no rows, only the lines. Thread-safe: hosts report from their own threads."""
+
+    def __init__(self, hosts, *, verbose: bool = False, show: bool = True):
+        self.hosts, self.verbose, self.show = list(hosts), verbose, show
+        self.many = len(self.hosts) > 1
+        self._lock = threading.RLock()
         self._progress = None
-        self._task = None
+        self._rows: dict[str, Any] = {}
 
     def __enter__(self):
-        if self.show:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                      console=console("err"), transient=False)
+        if self.show and console("err").is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold cyan]{task.fields[host]}"), TextColumn("[bold]{task.description}"),
+                                      BarColumn(bar_width=24), TextColumn("{task.fields[count]}"), TimeElapsedColumn(),
+                                      TimeRemainingColumn(), TextColumn("[dim]{task.fields[last]}"),
+                                      console=console("err"), transient=True)
             self._progress.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self._progress is not None:
             self._progress.__exit__(*exc)
-            self._progress, self._task = None, None
+            self._progress = None
 
-    def line(self, line: str) -> None:
+    def _print(self, host: str, markup: str) -> None:
+        if self.show:
+            with self._lock:
+                target = self._progress.console if self._progress is not None else console("err")
+                target.print((f"[bold cyan]\\[{escape(host)}][/] " if host else "") + markup)
+
+    def _row(self, host: str):
+        if host not in self._rows and self._progress is not None:
+            self._rows[host] = self._progress.add_task("", total=None, host=host, count="", last="")
+        return self._rows.get(host)
+
+    def begin(self, host: str, stage: str, note: str = "") -> None:
+        """``host`` starts ``stage``: its row starts over (bar, clock, last line)."""
+        with self._lock:
+            row = self._row(host)
+            if row is not None:
+                self._progress.reset(row, total=None, completed=0, description=stage, count="", last=note,
+                                     visible=True)
+
+    def end(self, host: str, text: str, style: str = "") -> None:
+        """``host``'s stage is over: ``text`` becomes a line of its own, the row waits for the next."""
+        with self._lock:
+            row = self._rows.get(host)
+            if row is not None:
+                self._progress.update(row, visible=False)
+            self._print(host, f"[{style}]{escape(text)}[/]" if style else escape(text))
+
+    def say(self, host: str, text: str, style: str = "") -> None:
+        """A message from the harness, printed above the rows."""
+        self._print(host, f"[{style}]{escape(text)}[/]" if style else escape(text))
+
+    def line(self, host: str, line: str) -> None:
+        """A line of ``host``'s stage log: ``@@progress`` moves the bar; with ``verbose`` every other
+        line is printed; the last meaningful one shows on the row."""
         if line.startswith(PROGRESS):
             try:
                 p = json.loads(line[len(PROGRESS):])
-                done, total = p.get("done"), p.get("total") or None  # 0: not known yet (a pulsing bar)
+                done, total, unit = p.get("done") or 0, p.get("total") or None, p.get("unit", "")
             except (ValueError, AttributeError):
                 p = None
             if p is not None:
-                if self._progress is not None:
-                    if self._task is None:
-                        self._task = self._progress.add_task(self.label, total=total, unit=p.get("unit", ""))
-                    self._progress.update(self._task, completed=done, total=total, unit=p.get("unit", ""))
+                with self._lock:
+                    row = self._row(host)
+                    if row is not None:
+                        count = f"{done}/{total} {unit}" if total else f"{done} {unit}"
+                        self._progress.update(row, completed=done, total=total, count=count, visible=True)
                 return
-        if self.echo:
-            self.echo(line)
-        elif self.show:
-            style = "dim" if line.startswith("@@harness") else ""
-            console("err").print(f"[{style}]{escape(line)}[/]" if style else escape(line))
+        if self.verbose:
+            if self.many:
+                self._print(host, f"[dim]{escape(line)}[/]")
+            else:
+                self._print("", f"[dim]{escape(line)}[/]" if line.startswith("@@harness") else escape(line))
+        text = meaningful(line)
+        if text is not None:
+            with self._lock:
+                row = self._row(host)
+                if row is not None:
+                    self._progress.update(row, last=text[:70], visible=True)
+
+    def for_host(self, host: str) -> Callable[[str], None]:
+        """``line`` for one host: the ``on_line`` the harness's followers take."""
+        return lambda text: self.line(host, text)
+
+
+class StageView(LiveView):
+    """One stage on one host (``inv stage.X``, ``inv deploy``): a LiveView of a single row; ``echo``
+    (when given) takes the lines that are printed instead of the console."""
+
+    def __init__(self, label: str, show: bool = True, echo: Callable[[str], None] | None = None,
+                 verbose: bool = False):
+        super().__init__([label], verbose=verbose or echo is not None, show=show)
+        self.label, self.echo = label, echo
+
+    def __enter__(self):
+        super().__enter__()
+        self.begin(self.label, "")
+        return self
+
+    def _print(self, host: str, markup: str) -> None:
+        if self.echo is not None:
+            from rich.text import Text
+            self.echo(Text.from_markup(markup).plain)
+        else:
+            super()._print(host, markup)
+
+    def line(self, line: str, _unused: str | None = None) -> None:  # type: ignore[override]
+        super().line(self.label, line)
 
 
 class ByteBar:

@@ -5,7 +5,7 @@ from invoke.exceptions import Exit
 
 from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, load, number
 
-_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+_STYLE = {"pass": "green", "pending": "cyan", "warn": "yellow", "fail": "bold red"}
 
 
 @task(help=COMMON_HELP | {"strict": "exit non-zero when a host is unreachable or a check fails",
@@ -59,3 +59,24 @@ def render(results) -> None:
         for chk in r["checks"]:
             t.add_row(f"check: {chk['name']}", f"[{_STYLE[chk['status']]}]{chk['status']}[/] {escape(chk['detail'])}")
         out.print(t)
+
+
+def render_brief(results) -> None:
+    """After setup: a line per host that counts its checks, and one per check that did not pass
+    (``inv audit`` shows the whole table)."""
+    from collections import Counter
+
+    out = console()
+    for name, r in results.items():
+        if name in results.failed:
+            continue  # the failure is printed once, by finish
+        counts = Counter(c["status"] for c in r["checks"])
+        summary = ", ".join(f"[{_STYLE[k]}]{counts[k]} {k}[/]" for k in _STYLE if counts[k])
+        out.print(f"[bold cyan]\\[{escape(name)}][/] audit: {summary} (the table: inv audit --hosts {escape(name)})")
+        pending = [c for c in r["checks"] if c["status"] == "pending"]
+        if pending:
+            out.print(f"    [cyan]pending[/] {len(pending)} patch checks: "
+                      f"{escape(pending[0]['detail'])}")
+        for c in r["checks"]:
+            if c["status"] in ("warn", "fail"):
+                out.print(f"    [{_STYLE[c['status']]}]{c['status']}[/] {escape(c['name'])}: {escape(c['detail'])}")

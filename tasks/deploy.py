@@ -1,8 +1,8 @@
 """inv deploy: serve a trained draft from the host's production vLLM, checked live, rolled back by itself."""
 from invoke import task
 
-from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTask, clean_errors, console, emit_json, number,
-                        escape, finish, load, print_failures)
+from tasks._cli import (COMMON_HELP, LiveView, WaivablePositionalTask, clean_errors, console, emit_json, escape, finish,
+                        load, number)
 
 
 @task(klass=WaivablePositionalTask, waive={"run": "rollback"}, positional=["run"], help=COMMON_HELP | {
@@ -11,10 +11,11 @@ from tasks._cli import (COMMON_HELP, HostOutput, StageView, WaivablePositionalTa
     "min_acceptance": "the live acceptance length to clear (default: deploy.min_acceptance)",
     "min_speedup": "tokens/s with the draft / without it to clear, one request at a time and at deploy.concurrency "
                    "(default: deploy.min_speedup)",
-    "rollback": "undo the current deploy: the server runs what it ran before it"})
+    "rollback": "undo the current deploy: the server runs what it ran before it",
+    "verbose": "print every line of the deploy's log (by default: one live row per host)"})
 @clean_errors
 def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acceptance=None, min_speedup=None,
-           rollback=False):
+           rollback=False, verbose=False):
     """Serve RUN's draft from the production server: measure the server without it, restart it with the draft,
     wait for health, measure it again on the same prompts; unhealthy, below deploy.min_acceptance or slower
     than deploy.min_speedup times the server without it, roll back by itself."""
@@ -31,15 +32,13 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
     min_acceptance = number(min_acceptance, "--min-acceptance")
     min_speedup = number(min_speedup, "--min-speedup")
     _deploy.settings(inv, k, min_acceptance, min_speedup)  # a floor that can never be met fails before any host
-    out = HostOutput(enabled=not json)
-    live = len(selected) == 1 and not json
-
-    def one(conn):
-        with StageView(f"{conn.name} deploy", show=live, echo=None if live else out.for_host(conn.name)) as view:
+    with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
+        def one(conn):
+            view.begin(conn.name, "rollback" if rollback else "deploy")
             return _deploy.deploy(conn, inv, run, rollback=rollback, k=k, min_acceptance=min_acceptance,
-                                  min_speedup=min_speedup, on_line=view.line)
+                                  min_speedup=min_speedup, on_line=view.for_host(conn.name))
 
-    results = on_hosts(selected, with_connection(inv, one))
+        results = on_hosts(selected, with_connection(inv, one))
     if json:
         emit_json(results.to_json(lambda r: r.as_dict()))
     else:
@@ -57,5 +56,4 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
                 line = (f"rolled back deploy {escape(res.get('undid'))}: the service runs "
                         + (f"the draft of run {escape(back.get('run_id'))}" if back else "without a draft"))
             console("out").print(f"[bold cyan]\\[{escape(host)}][/] [green]{line}[/]")
-        print_failures(results)
     finish(results)

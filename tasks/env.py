@@ -2,7 +2,7 @@
 from invoke import task
 from invoke.exceptions import Exit
 
-from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, finish, load, print_failures
+from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, escape, finish, load
 
 
 @task(help=COMMON_HELP | {"diff": "show the difference from the env file of the host's last run"})
@@ -27,7 +27,6 @@ def render(c, inventory=None, hosts=None, json=False, diff=False):
             else:
                 out.rule(f"{name}  ({r['template']})")
                 out.print(escape(r["text"]))
-        print_failures(results)
     finish(results)
 
 
@@ -45,7 +44,6 @@ def lint(c, inventory=None, hosts=None, json=False, offline=False):
     else:
         for line in problems:
             console("err").print(f"[red]error:[/] {escape(line)}")
-        print_failures(results)
         if not problems and not results.failed:
             console().print(f"env.lint: {len(selected)} host(s), no problems")
     finish(results)

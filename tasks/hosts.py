@@ -1,7 +1,7 @@
 """Host keys: show a host's key fingerprint, and record it in known_hosts only when told to."""
 from invoke import task
 
-from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, finish, load, print_failures
+from tasks._cli import COMMON_HELP, clean_errors, console, emit_json, finish, load
 
 
 @task(help=COMMON_HELP | {"yes": "record the key (after you checked its fingerprint)"})
@@ -18,5 +18,4 @@ def trust(c, inventory=None, hosts=None, yes=False, json=False):
     else:
         for r in results.succeeded.values():
             console().print(f"{r['host']}: {r['address']} {r['key_type']} {r['fingerprint']}: {r['action']}")
-        print_failures(results)
     finish(results)

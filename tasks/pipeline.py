@@ -2,8 +2,7 @@
 skipping every stage whose inputs hash to those of its last successful run."""
 from invoke import task
 
-from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, emit_json, finish, load, print_failures,
-                        print_wide)
+from tasks._cli import (COMMON_HELP, LiveView, clean_errors, console, emit_json, escape, finish, load, print_wide)
 
 
 @task(help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
@@ -13,10 +12,12 @@ from tasks._cli import (COMMON_HELP, HostOutput, StageView, clean_errors, emit_j
                                   "hidden states' size against the free space, the GPUs, a verdict (exit 1: "
                                   "does not fit)",
                           "cluster": "run one job over the inventory's cluster NAME (clusters: in inventory.yaml): "
-                                     "extraction sharded over its hosts, training as one torchrun job"})
+                                     "extraction sharded over its hosts, training as one torchrun job",
+                          "verbose": "print every line of the stages' logs as it comes (by default: one live row per "
+                                     "host, each finished stage one line; the logs stay in the runs, inv runs.logs)"})
 @clean_errors
 def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False,
-             plan=False, cluster=None):
+             plan=False, cluster=None, verbose=False):
     """Patch if needed, then prepare -> extract -> vocab -> train -> evaluate, skipping unchanged stages."""
     from harness import pipeline as _pipeline
     from harness.parallel import on_hosts, with_connection
@@ -31,18 +32,17 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
             raise HarnessError("--cluster and --hosts: a cluster names its own hosts; give one of the two")
         _, selected = cluster_of(inv, cluster)
         if not plan:
-            return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json)
+            return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json, verbose)
     if plan:
         return show_plans(inv, selected, stages, json, cluster)
-    out = HostOutput(enabled=not json)
-    live = len(selected) == 1 and not json  # one host: a live progress bar; several: prefixed lines
 
-    def one(conn):
-        with StageView(conn.name, show=live, echo=None if live else out.for_host(conn.name, "dim")) as view:
+    with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
+        def one(conn):
             return _pipeline.run_pipeline(conn, inv, start=from_, stop=to, pull=not no_pull, patch=not no_patch,
-                                          say=out.for_host(conn.name), on_line=view.line)
+                                          say=lambda m: view.say(conn.name, m), on_line=view.for_host(conn.name),
+                                          on_stage=stage_lines(view, conn.name))
 
-    results = on_hosts(selected, with_connection(inv, one))
+        results = on_hosts(selected, with_connection(inv, one))
     if json:
         emit_json(results.to_json(lambda runs: [r.as_dict() for r in runs]))
     else:
@@ -50,11 +50,35 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
             print_wide(summary_table(name, runs))
             for table in category_tables(runs):
                 print_wide(table)
-        print_failures(results)
+            plots = pictures(runs)
+            if plots:
+                console("err").print(f"[bold cyan]\\[{escape(name)}][/] pictures: " + "  ".join(escape(p) for p in plots))
     finish(results)
 
 
-def run_cluster(inv, name, start, stop, pull, patch, json):
+def stage_lines(view, host: str):
+    """The pipeline's ``on_stage`` for a LiveView: a stage's row starts with it, and ends as one line:
+    how it ended, how long it took, its run id."""
+    def on_stage(stage: str, rid: str, out) -> None:
+        if out is None:
+            view.begin(host, stage, f"run {rid}")
+        elif not out.ran:
+            view.end(host, f"{stage:<9} skipped: inputs unchanged since run {rid}", "dim")
+        else:
+            m, sec = divmod(int(round(out.seconds)), 60)
+            view.end(host, f"{stage:<9} done in {m}:{sec:02d}  run {rid}" + (f", pulled to {out.pulled}" if out.pulled else ""),
+                     "green")
+    return on_stage
+
+
+def pictures(runs) -> list[str]:
+    """The plots the pulled runs hold (loss, acceptance per category): where a person would rather look."""
+    from pathlib import Path
+
+    return [str(p) for o in runs if o.pulled for p in sorted(Path(o.pulled).glob("*.png"))]
+
+
+def run_cluster(inv, name, start, stop, pull, patch, json, verbose=False):
     """``--cluster``: one job over the cluster's hosts (harness/cluster.py), its stages in one table."""
     import contextlib
 
@@ -62,16 +86,11 @@ def run_cluster(inv, name, start, stop, pull, patch, json):
     from harness.connection import open_host
 
     _, hosts = cluster_of(inv, name)
-    out = HostOutput(enabled=not json)
-
-    def line(host: str, text: str) -> None:
-        if not text.startswith("@@progress"):
-            out.line(host, text, "dim")
-
     with contextlib.ExitStack() as stack:
+        view = stack.enter_context(LiveView([h.name for h in hosts], verbose=verbose, show=not json))
         conns = [stack.enter_context(open_host(h, inv)) for h in hosts]
         job = run_cluster_pipeline(conns, inv, name, start=start, stop=stop, pull=pull, patch=patch,
-                                   say=out.for_host(name), on_line=line)
+                                   say=lambda m: view.say(name, m), on_line=view.line)
     if json:
         emit_json(job.as_dict())
     else:
@@ -151,7 +170,6 @@ def show_plans(inv, selected, stages, json, cluster=None):
     else:
         for p in results.succeeded.values():
             print_wide(plan_table(p))
-        print_failures(results)
     finish(results)
     misfits = [p for p in results.succeeded.values() if not p.fits]
     if misfits:

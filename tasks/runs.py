@@ -2,7 +2,7 @@
 from invoke import task
 
 from tasks._cli import (COMMON_HELP, StageView, clean_errors, console, emit_json, escape, finish, load,
-                        number, print_failures, print_wide)
+                        number, print_wide)
 
 _STYLE = {"succeeded": "green", "failed": "red", "lost": "red", "stopped": "yellow"}
 
@@ -37,7 +37,6 @@ def list_(c, inventory=None, hosts=None, json=False):
                       r.get("ended_at") or "", "" if r.get("exit_code") is None else str(r["exit_code"]),
                       escape(r.get("error") or ""))
     print_wide(t)
-    print_failures(results, to="out")  # a message in a table cell would wrap into a column of fragments
     finish(results)
 
 
@@ -105,7 +104,6 @@ def logs(c, run, inventory=None, hosts=None, json=False, follow=False):
         return st
 
     results = on_hosts(selected, with_connection(inv, one), workers=1)
-    print_failures(results)
     finish(results)
 
 

@@ -47,7 +47,6 @@ def metrics(c, inventory=None, hosts=None, json=False, watch=None, count=None):
         else:
             for host, r in results.succeeded.items():
                 console("out").print(f"[bold cyan]\\[{escape(host)}][/] since the server started: {line(r['summary'])}")
-            print_failures(results)
         return finish(results)
     n = 0
     try:
@@ -63,4 +62,4 @@ def metrics(c, inventory=None, hosts=None, json=False, watch=None, count=None):
                 print_failures(results)
     except KeyboardInterrupt:
         pass
-    finish(results)
+    finish(results, printed=not json)  # each interval printed its failures

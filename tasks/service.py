@@ -1,7 +1,7 @@
 """The production vLLM server of each host: start it (and wait until it is healthy), stop it, its status."""
 from invoke import task
 
-from tasks._cli import COMMON_HELP, HostOutput, clean_errors, console, emit_json, escape, finish, load, number, print_failures
+from tasks._cli import COMMON_HELP, HostOutput, clean_errors, console, emit_json, escape, finish, load, number
 
 
 def _each(inventory, hosts, fn):
@@ -56,7 +56,6 @@ def start(c, inventory=None, hosts=None, json=False, wait=True, timeout=None):
             took = f" in {st['seconds']:.0f} s" if st.get("seconds") is not None else ""
             console("out").print(f"[bold cyan]\\[{escape(host)}][/] " + (describe(st) + took if wait else
                                  f"started (pid {st['start'].get('pid')})"))
-        print_failures(results)
     finish(results)
 
 
@@ -74,7 +73,6 @@ def stop(c, inventory=None, hosts=None, json=False, grace=None):
         for host, r in results.succeeded.items():
             console("out").print(f"[bold cyan]\\[{escape(host)}][/] " +
                                  ("stopped" if r.get("was_running") else "was not running"))
-        print_failures(results)
     finish(results)
 
 
@@ -97,5 +95,4 @@ def status(c, inventory=None, hosts=None, json=False):
                 console("out").print(f"    {escape(h.get('ended_at') or h.get('started_at') or '')} "
                                      f"{escape(h.get('action'))} {escape(h.get('deploy_id'))} "
                                      f"{escape(h.get('run_id') or h.get('undid') or '')} {escape(h.get('state'))}{extra}")
-        print_failures(results)
     finish(results)

@@ -10,12 +10,14 @@ transformers 5 on first use; every GPU stage starts its own vLLM server for it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import REPO, chain_acceptance, free_port, native_bf16, run_inv
+from test_benches import run_bench
 from harness import pipeline
 
 #: the held-out acceptance length (k = 3, 64 prompts of the default mix: chat, code, math, writing, extraction,
@@ -29,6 +31,10 @@ ACCEPTANCE_BAR = 1.6
 # fewer samples and epochs (these settings go over the host's own), and its draft must beat a lower bar.
 SMALLER_JOB = {"samples": 128, "heldout": 16, "epochs": 2}
 SMALLER_JOB_BAR = 1.2
+
+#: README's main job (setup, then the pipeline) prints at most this many lines at the default verbosity;
+#: setup's share is tested in test_setup.py
+MAIN_JOB_LINES, SETUP_LINES = 60, 5
 
 
 @pytest.mark.timeout(4200)
@@ -51,11 +57,24 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert facts["packages"]["speculators"].startswith("0.9.") and facts["packages"]["vllm"].startswith("0.32."), \
         facts["packages"]
 
-    r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=3900)
+    # as README's main job runs it: what a person sees, at the default verbosity (off a terminal: no live
+    # rows, only the lines), fits a screen: one line a stage, the summary and the per-category tables
+    r = run_inv("pipeline", "--hosts", "local", "--inventory", str(path), env=env, timeout=3900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    printed = (r.stdout + r.stderr).splitlines()
+    assert len(printed) <= MAIN_JOB_LINES - SETUP_LINES, "\n".join(printed)
+    for stage in pipeline.ORDER:  # each stage ran, and said so in one line
+        assert len([l for l in printed if l.startswith(f"[local] {stage} ") and " done in " in l]) == 1, printed
+    assert not [l for l in printed if "HTTP Request" in l or "\r" in l or "Warning" in l], printed
+    pictures = next(l for l in printed if l.startswith("[local] pictures: "))
+    assert "loss.png" in pictures and "categories.png" in pictures, pictures
+
+    # the same job again, for machines: every stage skipped (unchanged), each one's result as JSON
+    r = run_inv("pipeline", "--hosts", "local", "--json", "--inventory", str(path), env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     stages = json.loads(r.stdout)["local"]
     assert [s["stage"] for s in stages] == pipeline.ORDER
-    assert all(s["state"] == "ran" for s in stages)
+    assert all(s["state"] == "skipped" and s["run_state"] == "succeeded" for s in stages)
     by = {s["stage"]: s for s in stages}
     for s in stages:  # speculators 0.9 on the host: every stage ran from remote/stages/current/
         assert json.loads((Path(s["status"]["run_dir"]) / "spec.json").read_text())["generation"] == "current"
@@ -102,3 +121,8 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert rows["held-out (all)"]["acceptance_length"] == metrics["acceptance_length"]
     assert (Path(by["evaluate"]["pulled"]) / "categories.png").stat().st_size > 0
 
+    # bench/pipeline.py, quick: on this job's workdir (every stage skipped), its figures and per-category table
+    out = run_bench("pipeline", "--quick", "--workdir", str(tmp_path), "--python", str(current_python),
+                    "--inventory", str(path), timeout=900)
+    assert re.search(r"^acceptance length +[\d.]+ \(k=3", out, re.M) and "held-out (all)" in out, out
+    assert re.search(r"^ood-code +eval set", out, re.M), out

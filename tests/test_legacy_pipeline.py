@@ -6,12 +6,14 @@ is custom code), backend vllm: the target runs only inside vLLM, in every stage 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
 
 from conftest import chain_acceptance, venv_workdir, run_inv, write_inventory
 from models import build_kimi_shaped_model
+from test_benches import run_bench
 
 # first session on a machine: the legacy_python fixture's inv setup downloads the legacy-cpu profile
 pytestmark = pytest.mark.timeout(3600)  # the vLLM stages run 2-3x slower on a CPU without native bf16
@@ -73,6 +75,12 @@ def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_
         # a second run changes nothing: every stage is skipped
         again = run_inv("pipeline", "--hosts", "ref", "--json", cwd=tmp_path, env=env, timeout=600)
         assert again.returncode == 0 and {s["state"] for s in json.loads(again.stdout)["ref"]} == {"skipped"}
+
+        # bench/legacy.py, quick, on this host (every stage skipped): its figures, read from the host's files
+        out = run_bench("legacy", "--quick", "--inventory", str(inv), "--host", "ref",
+                        env={**env, "HARNESS_RUNS_DIR": str(tmp_path / "runs")}, timeout=900)
+        assert re.search(r"^data_i.pt rows == tokens +(\d+)/\1 files", out, re.M), out
+        assert re.search(r"^extract.json backend +vllm ", out, re.M), out
     finally:
         rb = run_inv("patch.rollback", "--hosts", "ref", "--json", env=env)
         assert rb.returncode == 0, rb.stdout + rb.stderr

@@ -402,14 +402,15 @@ def test_every_failing_host_is_shown_and_fails_the_task(host, sshd, tmp_path):
 
 
 def test_stage_task_prints_each_failing_host(host, sshd, tmp_path):
-    """inv stage.X on two hosts where both fail differently: each host's own line, exit 1."""
+    """inv stage.X on two hosts where both fail differently: each host's own line, printed once, exit 1."""
     entries = {"gpu1": sshd.entry(workdir=str(tmp_path / "wd")), "dead1": _dead(sshd, tmp_path, "dead1")}
     path = str(write_inventory(tmp_path / "mixed.yaml", entries, model={"path": "/nonexistent/model"}))
     stage = stage_names()[0]
     r = run_inv(f"stage.{stage}", "--no-follow", "--inventory", path)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stderr.splitlines()
-    assert any(l.startswith("[gpu1] ") and "model.path /nonexistent/model: no such directory on this host" in l
-               for l in lines), r.stderr
-    assert any(l.startswith("[dead1] ") and "host dead1" in l for l in lines), r.stderr
+    gpu1 = [l for l in lines if "model.path /nonexistent/model: no such directory on this host" in l]
+    dead1 = [l for l in lines if "host dead1" in l]
+    assert len(gpu1) == 1 and gpu1[0].startswith("error: host gpu1: "), r.stderr
+    assert len(dead1) == 1 and dead1[0].startswith("error: host dead1"), r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "wd" / "runs").exists()

@@ -30,8 +30,9 @@ pytestmark = pytest.mark.timeout(1800)
 PIPELINE = {"dataset": "builtin:chat", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
             "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
             "train_seq_len": 256, "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 2, "seed": 0}
-# the tiny target's draft is not trained to be fast: its speed floor is tested on its own (a floor of 50x)
-DEPLOY = {"k": 3, "min_acceptance": 1.0, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
+# the tiny target's draft is not trained to be fast: its speed floor is tested on its own (a floor of 50x);
+# its acceptance is held to a floor a draft that learnt nothing (1.0) does not reach
+DEPLOY = {"k": 3, "min_acceptance": 1.5, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
 
 
 class Served:
@@ -108,7 +109,7 @@ def test_evaluate_measures_live_in_vllm_and_offline(served):
     assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert m["gap"] == round(abs(live["acceptance_length"] - offline["acceptance_length"]), 4)
-    assert m["agree"] == (m["gap"] <= 0.1)
+    assert m["agree"] is True and m["gap"] <= 0.1, m  # vLLM's counters and the offline replay agree
     # per category: the held-out chat prompts, every held-out prompt together (timed with and without the
     # draft), and the shipped eval sets' prompts that fit max_seq_len
     rows = {r["category"]: r for r in m["categories"]}
@@ -142,7 +143,8 @@ def test_deploy_serves_the_draft_and_metrics_count_it(served):
     res = out["result"]
     assert res["state"] == "deployed" and res["run_id"] == train and res["k"] == 3, res
     m = res["measurement"]
-    assert m["drafts"] > 0 and m["prompts"] == DEPLOY["prompts"] and m["acceptance_length"] >= 1.0
+    assert m["drafts"] > 0 and m["prompts"] == DEPLOY["prompts"]
+    assert m["acceptance_length"] >= DEPLOY["min_acceptance"], m  # the served draft drafts, live
     # vLLM's benchmark client measured the server without the draft and with it, one request at a time and
     # at the service's concurrency, on the same prompts: the speedup is their ratio
     assert set(m["speed"]) == set(m["without_draft"]) == set(m["speedup"]) == {"1", "2"}, m
@@ -305,8 +307,8 @@ def test_bad_runs_are_refused_before_the_server_is_touched(served):
 
 
 def test_a_dropped_link_during_a_deploy_leaves_it_finished(served):
-    """The deploy is a job on the host: cutting every SSH connection while it runs changes nothing; the
-    job finishes (the server healthy with the draft) or, had it not started, nothing changed."""
+    """The deploy is a job on the host: cutting every SSH connection while it runs changes nothing: the
+    job finishes, the server healthy with the draft (which clears the gates, as the deploy above did)."""
     train = served.stages["train"]["run_id"]
     before = served.status()
     runs_dir = served.workdir / "runs"
@@ -329,10 +331,8 @@ def test_a_dropped_link_during_a_deploy_leaves_it_finished(served):
              step=1)
     st = served.status()
     final = json.loads((job / "status.json").read_text())["state"]
-    if final == "succeeded":
-        assert st["healthy"] and st["draft"]["deploy_id"] == job.name and st["pid"] != before["pid"]
-    else:
-        assert st["healthy"] and st["draft"] is None
+    assert final == "succeeded", (job / "run.log").read_text()[-3000:]
+    assert st["healthy"] and st["draft"]["deploy_id"] == job.name and st["pid"] != before["pid"]
 
 
 def test_a_service_stopped_by_hand_reports_no_error(served):
@@ -374,3 +374,24 @@ def test_the_managed_server_command_follows_the_host_and_the_inventory():
     own = argv(draft=draft, accelerator=False, native_bf16=False,
                config={"vllm": {"args": ["--dtype=bfloat16", "--no-enforce-eager"]}})
     assert own.count("--dtype=bfloat16") == 1 and "float32" not in own and "--enforce-eager" not in own
+
+
+@pytest.mark.timeout(1800)
+def test_serve_bench_quick(served):
+    """bench/serve.py, quick, on this host: A (no draft) and B (the draft) per category, through the CLI;
+    it ends with the server healthy and without the draft."""
+    from test_benches import run_bench
+
+    out = run_bench("serve", "--quick", "--inventory", str(served.inventory), "--hosts", "srv",
+                    "--run", served.stages["train"]["run_id"], env=served.env, timeout=1700)
+    measured = 0
+    for cat in ("held-out", "ood-code", "ood-math", "ood-writing"):
+        if cat != "held-out" and f"{cat}: no prompt fits the server's max_model_len" in out:
+            continue  # the tiny target's server takes 256 tokens, its tokenizer spends one a byte or so
+        assert re.search(rf"^round 1 A \(no draft\) {cat} +[\d.]+ tokens/s", out, re.M), out
+        assert re.search(rf"^round 1 B \(draft\) {cat} +[\d.]+ tokens/s .*acceptance length [\d.]+", out, re.M), out
+        measured += 1
+    assert measured >= 2, out
+    assert "deploy --rollback: healthy, no draft" in out and "True" in out.splitlines()[-1], out
+    st = served.status()
+    assert st["healthy"] and st["draft"] is None

@@ -114,4 +114,27 @@ def test_base_python_picks_the_interpreter_that_makes_the_venv(sshd, tmp_path):
     r = run_inv("setup", "--base-python", "/opt/no-such/python3.12", "--inventory", str(inv_path))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "/opt/no-such/python3.12" in r.stderr and "setup (cpu profile) failed" in r.stderr, r.stderr
+    assert (r.stdout + r.stderr).count("setup (cpu profile) failed") == 1, r.stderr  # printed once
     assert not venv.exists()
+
+
+def test_setup_cli_prints_a_few_lines_and_verbose_prints_pip(current_python, tmp_path):
+    """README's ``inv setup`` on the shipped cpu profile (the session's venv: pip finds it installed):
+    by default pip stays in the host's setup.log and the audit is its counts; --verbose prints pip."""
+    from conftest import venv_workdir
+    from test_default_pipeline import SETUP_LINES
+
+    inv = write_inventory(tmp_path, {"local": {"transport": "local", "python": str(current_python),
+                                               "workdir": str(venv_workdir(current_python)), "profile": "cpu"}})
+    r = run_inv("setup", "--hosts", "local", "--inventory", str(inv), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = (r.stdout + r.stderr).splitlines()
+    assert len(printed) <= SETUP_LINES, printed
+    done = [l for l in printed if l.startswith("[local] setup done in ")]
+    assert len(done) == 1 and "the cpu profile" in done[0] and "setup.log" in done[0], printed
+    assert not [l for l in printed if "already satisfied" in l], printed
+    assert any(l.startswith("[local] audit: ") and " pass" in l for l in printed), printed
+    r = run_inv("setup", "--hosts", "local", "--verbose", "--inventory", str(inv), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pip = [l for l in (r.stdout + r.stderr).splitlines() if "Requirement already satisfied" in l]
+    assert len(pip) > 50 and "check: torch installed" in r.stdout, r.stdout[-2000:]

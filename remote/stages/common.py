@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -142,6 +143,47 @@ def progress(done: int, total: int, unit: str):
 
 def log(message: str):
     _emit(message)
+
+
+#: the line of a child's output that says what went wrong: an exception's last line (``ValueError: ...``,
+#: ``StopIteration``), else an error the program printed itself
+_ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt|Iteration)\b(:.*)?$|^(error|Error|ERROR)\b.*")
+
+
+class Child:
+    """A child process whose output (stdout and stderr, merged) goes to the stage log as it comes, its
+    last lines kept, so that a failure can name its error in the stage's one-line message rather than
+    leave it to be dug out of the log."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None):
+        import collections
+        import subprocess
+
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            with _STDOUT:
+                sys.stdout.buffer.write(raw)
+                sys.stdout.flush()
+            self.tail.append(raw.decode(errors="replace").rstrip())
+
+    def poll(self):
+        return self.proc.poll()
+
+    def wait(self) -> int:
+        rc = self.proc.wait()
+        self._reader.join(timeout=10)
+        return rc
+
+    def error(self) -> str:
+        """The error line of the output's end (see ``_ERROR_LINE``), else its last line, shortened."""
+        lines = [l.strip(" │|") for l in self.tail if l.strip(" │|╰╭─")]
+        hit = next((l for l in reversed(lines) if _ERROR_LINE.match(l)), lines[-1] if lines else "no output")
+        return hit if len(hit) <= 300 else hit[:297] + "..."
 
 
 def write_json(path: Path, data) -> None:

@@ -42,7 +42,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -200,9 +199,10 @@ def run_training(args: list[str], cfg: common.Settings, on_gpu: bool, node: dict
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(cfg, on_gpu, node),
            "-m", "stages.lib.trainworker", str(metrics_path), *args]
     common.log(" ".join(cmd[2:cmd.index("stages.lib.trainworker") + 1]))
-    if subprocess.run(cmd).returncode != 0:
+    child = common.Child(cmd)
+    if child.wait() != 0:
         where = f"host {node['rank'] + 1} of {node['size']}" if node["size"] > 1 else f"{cfg.gpus} GPUs"
-        common.fail(STAGE, f"torchrun ({where}) failed; its error is in the log above")
+        common.fail(STAGE, f"torchrun ({where}) failed: {child.error()}")
     tap = MetricsTap(0)
     if metrics_path.exists():  # rank 0's host
         got = json.loads(metrics_path.read_text())

@@ -139,16 +139,16 @@ class VllmServer:
 def speculators_cli(stage: str, args: list[str], *, env: dict | None = None, progress=None) -> None:
     """Run ``speculators <args>`` (speculators' own CLI) with its output in the stage log; tqdm's bars
     are switched off (the harness reports progress itself through ``progress()``, polled each second).
-    A failure stops the stage in one line naming the command; its traceback is in the log above."""
+    A failure stops the stage in one line naming the command and its error (the traceback in the log)."""
     cmd = [sys.executable, "-c", "from speculators.__main__ import app; app()", *args]
     common.log("running: speculators " + " ".join(args))
     # COLUMNS: rich, speculators' log console, wraps at 80 columns when not on a terminal
-    proc = subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "240", **(env or {})})
+    proc = common.Child(cmd, env={**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "240", **(env or {})})
     while proc.poll() is None:
         if progress:
             progress()
         time.sleep(1)
     if progress:
         progress()
-    if proc.returncode != 0:
-        common.fail(stage, f"speculators {args[0]} exited with code {proc.returncode}; its error is in the log above")
+    if proc.wait() != 0:
+        common.fail(stage, f"speculators {args[0]} exited with code {proc.proc.returncode}: {proc.error()}")

@@ -1,0 +1,62 @@
+"""Every bench runs in the suite, in its quick mode, so that none can rot silently: the real script, its
+real subprocesses and hosts, smaller sizes, figures printed and bars shown but not judged. The benches
+that need a trained draft run beside the tests that train one: bench/pipeline.py in
+test_default_pipeline.py, bench/legacy.py in test_legacy_pipeline.py, bench/serve.py in test_serve.py."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = None) -> str:
+    """``python bench/<name>.py ARGS``: exit 0, no traceback; its output."""
+    import os
+
+    p = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert p.returncode == 0 and "Traceback" not in p.stderr, f"bench/{name}.py {' '.join(args)}: exit " \
+        f"{p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def test_every_bench_has_a_quick_mode_run_by_the_suite():
+    """A new bench without a quick mode, or one no test runs, fails here."""
+    tests = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
+    for bench in sorted((REPO / "bench").glob("*.py")):
+        assert f'run_bench("{bench.stem}"' in tests, f"no test runs bench/{bench.name}"
+        if bench.stem != "plan":  # plan's bench is a quick one already (one round trip, nothing loaded)
+            assert '"--quick"' in bench.read_text(), f"bench/{bench.name} has no --quick"
+
+
+def test_audit_bench_quick():
+    out = run_bench("audit", "--quick")
+    ms = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(ours 1 host|ours 2 hosts|inv -l) +(\d+) ms$", out, re.M)}
+    assert set(ms) == {"ours 1 host", "ours 2 hosts", "inv -l"} and all(v > 0 for v in ms.values()), out
+    assert "quick: Ansible not run, bars not judged" in out
+
+
+def test_pull_bench_quick():
+    out = run_bench("pull", "--quick")
+    for method in ("ours", "rsync", "fabric"):
+        assert re.search(rf"^  {method} +[\d.]+ s +[\d.]+ MB/s", out, re.M), out
+    assert "(bar >= 0.90: quick: not judged)" in out
+
+
+@pytest.mark.timeout(900)
+def test_patch_bench_quick():
+    out = run_bench("patch", "--quick")
+    import yaml
+
+    series = len(yaml.safe_load((REPO / "patches" / "speculators" / "0.3.0" / "series.yaml").read_text())["patches"])
+    assert f"the speculators 0.3.0 series ({series} patches" in out, out
+    assert re.search(r"gnu patch over ssh / ours: [\d.]+x faster \(bar >= 3: quick: not judged\)", out), out
+
+
+def test_plan_bench():
+    out = run_bench("plan")
+    assert "bars              ~23.5 TB, free_bytes reported, exit 1: PASS" in out, out
