@@ -58,8 +58,10 @@ def check_finished(conn: HostConnection, stage: str, st: dict) -> None:
     """Raise unless the run succeeded and, when its guard stopped the service, the service is back."""
     rid = st.get("run_id")
     if st.get("state") != "succeeded":
+        mirror = runs.FollowState(rid, conn.name).log if rid else None  # the log as followed, on this machine
+        here = f" (followed here: {mirror})" if mirror is not None and mirror.is_file() else ""
         raise HarnessError(f"host {conn.name}: stage {stage}: {runs.describe_failure(st)}; "
-                           f"see: inv runs.logs {rid} --hosts {conn.name}", kind="stage failed")
+                           f"see: inv runs.logs {rid} --hosts {conn.name}{here}", kind="stage failed")
     if (st.get("service") or {}).get("healthy") is False:
         raise HarnessError(f"host {conn.name}: stage {stage}: run {rid} succeeded but the service did not come "
                            f"back: {st['service'].get('error')}", kind="service unhealthy")

@@ -221,6 +221,7 @@ class Service:
             rec = self._pid_record()
             if rec:
                 return {"started": False, "pid": rec["pid"], "reason": "already running"}
+            self._port_free()
             with open(self.log, "ab") as out:
                 out.write(("\n@@service %s starting (draft: %s)\n" % (
                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -252,6 +253,21 @@ class Service:
         if rc not in (None, 0):
             raise ServiceError("service.start exited with code %d; see %s" % (rc, self.log))
         return {"started": True, "pid": None}
+
+    def _port_free(self):
+        """Refuse to start a server whose port another process listens on: vLLM would load the model
+        first and only then fail to bind (minutes, on a big target), and health would answer for the
+        other process."""
+        import socket  # noqa: PLC0415
+
+        v = self.config.get("vllm") or {}
+        host = v.get("host") or "127.0.0.1"
+        port = int(v.get("port", 8000))
+        with socket.socket() as s:
+            s.settimeout(2)
+            if s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)) == 0:
+                raise ServiceError("port %d on %s is taken by another process, not this service's server: free it, "
+                                   "or give the service another (hosts.<name>.service.vllm.port)" % (port, host))
 
     def stop(self, grace=60.0):
         """Stop the server; returns whether it was running."""
