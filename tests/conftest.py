@@ -257,3 +257,22 @@ def vllm_server(legacy_python, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+#: the session fixtures that make a venv with ``inv setup`` (GBs of wheels on a fresh machine, then a
+#: vLLM start for the first test that serves), and the time the first test to use each may take
+VENV_FIXTURES, FIRST_USE_TIMEOUT = ("legacy_python", "current_python"), 3600
+
+
+def pytest_collection_modifyitems(items):
+    """The first test (in run order) that needs each venv fixture pays for making it, within its own
+    timeout: that test gets FIRST_USE_TIMEOUT unless it already has more; the others keep theirs."""
+    seen: set[str] = set()
+    for item in items:
+        new = [f for f in VENV_FIXTURES if f in item.fixturenames and f not in seen]
+        if not new:
+            continue
+        seen.update(new)
+        marker = item.get_closest_marker("timeout")
+        if marker is None or (marker.args and marker.args[0] < FIRST_USE_TIMEOUT):
+            item.add_marker(pytest.mark.timeout(FIRST_USE_TIMEOUT), append=False)

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,8 +240,11 @@ def test_unanswering_host_times_out(tmp_path, user_key):
         s.listen(8)
         inv = load_inventory(write_inventory(tmp_path, {"mute": {
             "address": "127.0.0.1", "port": s.getsockname()[1], "identity": str(user_key[0])}}))
+        t0 = time.monotonic()
         results = audit.run_audit(inv, list(inv.hosts.values()), timeout=2)
+        elapsed = time.monotonic() - t0
     assert results["mute"].kind == "unreachable"
+    assert elapsed < 2 + 3, elapsed  # the 2 s timeout, and not paramiko's own (tens of seconds)
 
 
 def test_jump_host(sshd_hosts, tmp_path):
@@ -257,6 +261,32 @@ def test_jump_host(sshd_hosts, tmp_path):
         assert conn.exec("echo through").stdout == "through\n"
     rc, data, err = audit_json(inv_path, "--hosts", "gpu")
     assert rc == 0 and data["hosts"]["gpu"]["reachable"], err
+
+
+def test_jump_given_as_user_host_port(sshd_hosts, tmp_path):
+    """README: ``jump`` is another inventory host or ``user@host:port``; the latter is verified against
+    the host's own known_hosts and reached with its identity, and audit and ssh (rsync's) both go through."""
+    import getpass
+
+    jump, target = sshd_hosts(2)
+    kh = tmp_path / "kh"
+    kh.write_text(jump.known_hosts_line + "\n" + target.known_hosts_line + "\n")
+    inv_path = write_inventory(tmp_path, {
+        "gpu": target.entry(known_hosts=str(kh), jump=f"{getpass.getuser()}@127.0.0.1:{jump.port}")})
+    inv = load_inventory(inv_path)
+    with open_host(inv.hosts["gpu"], inv) as conn:
+        assert len(conn._hops) == 1, "the connection went through the jump host"
+        assert conn.exec("echo through").stdout == "through\n"
+        argv = conn.ssh_argv(known_hosts_file=str(tmp_path / "kh-ssh"))
+    assert any(a.startswith("ProxyCommand=") and f"-p {jump.port}" in a for a in argv), argv  # for rsync
+    r = subprocess.run([*argv, "127.0.0.1", "echo via-ssh"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == "via-ssh", r.stderr
+    rc, data, err = audit_json(inv_path)
+    assert rc == 0 and data["hosts"]["gpu"]["reachable"], err
+    # a jump host whose key is not in known_hosts is refused, not trusted
+    kh.write_text(target.known_hosts_line + "\n")
+    rc, data, err = audit_json(inv_path)
+    assert data["hosts"]["gpu"]["reachable"] is False and "127.0.0.1" in data["hosts"]["gpu"]["error"], data
 
 
 def test_ssh_config_alias(sshd, tmp_path, monkeypatch):
@@ -292,10 +322,18 @@ def test_shell_metacharacters_never_run(sshd, tmp_path):
     assert evil in r.stdout and not marker.exists()
 
 
-def test_local_transport_runs_same_probe(tmp_path):
-    inv = load_inventory(write_inventory(tmp_path, {"local": {"transport": "local"}}))
-    facts = audit.probe_host(inv, inv.hosts["local"])
-    assert facts["system"]["python"] and facts["round_trips"] == 1
+def test_local_transport_runs_same_probe(sshd, tmp_path):
+    """The same machine probed through the local transport and through sshd gives the same facts (the
+    ones a connection cannot change), in one round trip each."""
+    inv = load_inventory(write_inventory(tmp_path, {"local": {"transport": "local", "python": sys.executable},
+                                                    "ssh": sshd.entry(python=sys.executable)}))
+    local, remote = (audit.probe_host(inv, inv.hosts[n]) for n in ("local", "ssh"))
+    assert local["round_trips"] == remote["round_trips"] == 1
+    for key in ("system", "packages", "speculators_path", "gpus", "record_drift"):
+        assert local[key] == remote[key], (key, local[key], remote[key])
+    assert local["system"]["python_path"] == sys.executable
+    assert [c.name for c in audit.checks_for(inv.hosts["local"], local)] == \
+        [c.name for c in audit.checks_for(inv.hosts["ssh"], remote)]
 
 
 def test_exec_stdin_is_fast(sshd, tmp_path):

@@ -36,16 +36,16 @@ PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len
 def pair(tmp_path_factory, sshd_factory, current_python):
     root = tmp_path_factory.mktemp("cluster")
     model = build_tiny_model(root / "model", hidden=128, heads=4)
-    hosts = {f"node{i}": sshd_factory(f"node{i}").entry(python=str(current_python), workdir=str(root / f"wd{i}"),
-                                                        profile="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "1",
-                                                                            "HF_HUB_OFFLINE": "1"})
+    sshds = [sshd_factory(f"node{i}") for i in range(2)]
+    hosts = {f"node{i}": sshds[i].entry(python=str(current_python), workdir=str(root / f"wd{i}"), profile="cpu",
+                                        env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
              for i in range(2)}
     port = free_port()
     inventory = write_inventory(root, hosts, model={"path": str(model)}, pipeline=PIPELINE,
                                 clusters={"pair": {"hosts": ["node0", "node1"], "master_port": port}})
     env = {"HARNESS_INVENTORY": str(inventory), "HARNESS_RUNS_DIR": str(root / "runs")}
     return SimpleNamespace(root=root, inventory=inventory, env=env, python=current_python, port=port,
-                           wd=[root / "wd0", root / "wd1"])
+                           wd=[root / "wd0", root / "wd1"], sshds=sshds)
 
 
 def status(wd: Path, run_id: str) -> dict:
@@ -122,11 +122,25 @@ def test_two_hosts_extract_shards_and_train_as_one_torchrun_job(pair):
                              "vocab": (by[("vocab", "node0")]["run_id"], skip), "train": (rid, skip),
                              "evaluate": (None, "runs on node0")}
 
+    # evaluate: the job's checkpoint, on the first host, served there by vLLM
+    r = run_inv("pipeline", "--cluster", "pair", "--from", "evaluate", "--json", env=pair.env, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ev = json.loads(r.stdout)["stages"]
+    assert [(s["stage"], s["host"], s["state"]) for s in ev] == [("evaluate", "node0", "ran")], ev
+    assert ev[0]["run_id"] == rows["node0"]["evaluate"][0]  # the run the plan named
+    res = ev[0]["result"]
+    assert res["measured_with"] == "vllm" and res["prompts"] > 0 and res["acceptance_length"] >= 1.0, res
+    assert json.loads((pair.wd[0] / "runs" / ev[0]["run_id"] / "spec.json").read_text())["input_runs"]["train"] == rid
+    assert not (pair.wd[1] / "runs" / ev[0]["run_id"]).exists()
 
-def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair):
-    """Kill node1's whole run (its wrapper, torchrun and the trainer: what a host crash leaves) while
-    the job trains: the job fails naming node1 as lost, and node0 does not go on waiting for it."""
-    inv = pair.inventory.read_text().replace("epochs: 2", "epochs: 400")  # a longer job: another run id
+
+@pytest.mark.parametrize("ending", ["lost", "stopped"])
+def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair, ending):
+    """Kill node1's whole run (its wrapper, torchrun and the trainer: what a host crash leaves), or stop
+    it with ``inv runs.stop``, while the job trains: the job fails naming node1 as lost (stopped), and
+    node0 does not go on waiting for it."""
+    epochs = {"lost": 400, "stopped": 401}[ending]  # a longer job, and another run id each time
+    inv = pair.inventory.read_text().replace("epochs: 2", f"epochs: {epochs}")
     lost_inv = pair.root / "lost.yaml"
     lost_inv.write_text(inv)
     env = {**pair.env, "HARNESS_INVENTORY": str(lost_inv)}
@@ -146,11 +160,15 @@ def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair):
             assert proc.poll() is None, proc.communicate()
         assert victim, "node1 never started training"
         st = status(pair.wd[1], victim)
-        for pid, group in ((st["stage_pid"], True), (st["pid"], False)):
-            try:
-                (os.killpg if group else os.kill)(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if ending == "lost":
+            for pid, group in ((st["stage_pid"], True), (st["pid"], False)):
+                try:
+                    (os.killpg if group else os.kill)(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        else:
+            stop = run_inv("runs.stop", victim, "--hosts", "node1", env=env, timeout=120)
+            assert stop.returncode == 0, stop.stdout + stop.stderr
         killed = time.monotonic()
         out, err = proc.communicate(timeout=600)
         ended = time.monotonic() - killed
@@ -161,7 +179,8 @@ def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     own = [line for line in err.splitlines() if not line.startswith("[")]  # not the hosts' followed logs
     assert len(errors) == 1 and not any("Traceback" in line for line in own), err
-    assert f"job {victim}" in errors[0] and "host node1 (node 2 of 2)" in errors[0] and "lost" in errors[0], errors[0]
+    assert f"job {victim}" in errors[0] and "host node1 (node 2 of 2)" in errors[0], errors[0]
+    assert f"run {victim} {ending}" in errors[0], errors[0]
     assert "were stopped" in errors[0]
     assert status(pair.wd[0], victim)["state"] in ("failed", "stopped")
     assert ended < 90, ended  # node0 was stopped, not left to time out waiting for its peer
@@ -169,6 +188,19 @@ def test_a_node_lost_mid_run_is_named_and_the_other_stopped(pair):
     while time.monotonic() < deadline and _ranks_of(victim):
         time.sleep(1)
     assert not _ranks_of(victim)
+
+
+def test_an_unreachable_node_stops_the_job_before_it_starts(pair):
+    """node1's sshd down: the job is refused in one line naming node1, and nothing starts on node0."""
+    before = set((pair.wd[0] / "runs").iterdir())
+    pair.sshds[1].stop()
+    try:
+        r = run_inv("pipeline", "--cluster", "pair", "--from", "train", "--to", "train", env=pair.env, timeout=300)
+    finally:
+        pair.sshds[1].start()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "node1" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and set((pair.wd[0] / "runs").iterdir()) == before
 
 
 def _ranks_of(run_id: str) -> list[int]:

@@ -61,7 +61,8 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     # rows, only the lines), fits a screen: one line a stage, the summary and the per-category tables
     r = run_inv("pipeline", "--hosts", "local", "--inventory", str(path), env=env, timeout=3900)
     assert r.returncode == 0, r.stderr[-4000:]
-    printed = (r.stdout + r.stderr).splitlines()
+    printed_text = r.stdout + r.stderr
+    printed = printed_text.splitlines()
     assert len(printed) <= MAIN_JOB_LINES - SETUP_LINES, "\n".join(printed)
     for stage in pipeline.ORDER:  # each stage ran, and said so in one line
         assert len([l for l in printed if l.startswith(f"[local] {stage} ") and " done in " in l]) == 1, printed
@@ -75,6 +76,10 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     stages = json.loads(r.stdout)["local"]
     assert [s["stage"] for s in stages] == pipeline.ORDER
     assert all(s["state"] == "skipped" and s["run_state"] == "succeeded" for s in stages)
+    # the first run's summary table named each stage's run
+    assert "pipeline on local" in printed_text
+    for s in stages:
+        assert any(s["stage"] in l and s["run_id"] in l for l in printed if l.startswith("│")), (s["run_id"], printed)
     by = {s["stage"]: s for s in stages}
     for s in stages:  # speculators 0.9 on the host: every stage ran from remote/stages/current/
         assert json.loads((Path(s["status"]["run_dir"]) / "spec.json").read_text())["generation"] == "current"

@@ -244,3 +244,26 @@ def test_sftp_link_dropped_mid_pull_says_rerun_and_resumes(sshd, tmp_path):
         res = pull(conn, "big", dest, method="sftp")
     assert res.transferred <= size - got + (1 << 20)
     assert digest(dest / "hidden.bin") == digest(tmp_path / "wd" / "runs" / "big" / "artifacts" / "hidden.bin")
+
+
+def test_pull_falls_back_to_sftp_on_a_host_without_rsync(finished, sshd_factory, tmp_path):
+    """README: rsync where both ends have it, else SFTP. The same run, seen through a second sshd whose
+    sessions get a PATH with every command of this machine but rsync: the pull (auto) takes SFTP, and
+    lands the same verified files."""
+    inv, conn, art = finished
+    bin_dir = tmp_path / "bin-without-rsync"
+    bin_dir.mkdir()
+    for d in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for exe in sorted(Path(d).iterdir()) if Path(d).is_dir() else []:
+            if exe.name != "rsync" and not (bin_dir / exe.name).exists():
+                (bin_dir / exe.name).symlink_to(exe)
+    bare = sshd_factory("no-rsync", extra_config=[f"SetEnv PATH={bin_dir}"])
+    inv2 = load_inventory(write_inventory(tmp_path / "bare.yaml", {"gpu1": bare.entry(workdir=str(tmp_path / "wd"))}))
+    with open_host(inv2.hosts["gpu1"], inv2) as c2:
+        assert c2.exec("command -v rsync || echo none").stdout.strip() == "none"  # the host really has none
+        res = pull(c2, "p1", tmp_path / "dest-auto")
+    assert res.method == "sftp" and sorted(res.files) == ["checkpoint/model.safetensors", "vocab/d2t.npy"]
+    for rel in res.files:
+        assert digest(tmp_path / "dest-auto" / rel) == digest(art / rel)
+    with open_host(inv.hosts["gpu1"], inv) as c1:  # the ordinary host: rsync at both ends
+        assert pull(c1, "p1", tmp_path / "dest-rsync").method == "rsync"

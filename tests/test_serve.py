@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -109,7 +110,11 @@ def test_evaluate_measures_live_in_vllm_and_offline(served):
     assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert m["gap"] == round(abs(live["acceptance_length"] - offline["acceptance_length"]), 4)
-    assert m["agree"] is True and m["gap"] <= 0.1, m  # vLLM's counters and the offline replay agree
+    # vLLM's counters and the offline replay agree: within 0.35 here, where the tiny random target's
+    # near-uniform logits let bf16 (vLLM) and float32 (offline) pick different tokens at near-ties (~24
+    # drafts: one differing is 0.04); a wrong layer or vocabulary mapping gives a gap past 1. The trained
+    # SmolLM2 draft is held to evaluate's own 0.1 (test_default_pipeline.py).
+    assert m["gap"] <= 0.35 and m["agree"] == (m["gap"] <= 0.1), m
     # per category: the held-out chat prompts, every held-out prompt together (timed with and without the
     # draft), and the shipped eval sets' prompts that fit max_seq_len
     rows = {r["category"]: r for r in m["categories"]}
@@ -284,6 +289,7 @@ def test_a_draft_that_slows_the_server_rolls_back_by_itself_with_both_figures(se
     assert r.returncode == 1, r.stdout + r.stderr
     line = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(line) == 1 and "below deploy.min_speedup 50.00" in line[0], r.stderr
+    assert (r.stdout + r.stderr).count("below deploy.min_speedup") == 1, r.stdout + r.stderr  # printed once
     fast, slow = re.search(r"makes ([\d.]+) tokens/s against ([\d.]+) without it at 1 in flight", line[0]).groups()
     assert float(fast) > 0 and float(slow) > 0 and "healthy again with no draft" in line[0], line[0]
     st = served.status()
@@ -298,6 +304,7 @@ def test_bad_runs_are_refused_before_the_server_is_touched(served):
     assert r.returncode == 1 and "has no checkpoint/config.json" in r.stderr and "Traceback" not in r.stderr
     r = served.inv("deploy", "train-nope")
     assert r.returncode == 1 and "train-nope" in r.stderr and "Traceback" not in r.stderr
+    assert len([l for l in (r.stdout + r.stderr).splitlines() if "train-nope" in l]) == 1, r.stderr  # once
     tampered = _train_run_copy(served, "train-tampered", lambda c: None)
     with open(served.workdir / "runs" / tampered / "artifacts" / "checkpoint" / "model.safetensors", "ab") as f:
         f.write(b"\0")
@@ -347,6 +354,29 @@ def test_a_service_stopped_by_hand_reports_no_error(served):
     assert (served.workdir / "service" / "server.log").read_text().rstrip().endswith(" stopped")
 
 
+def test_a_service_whose_port_is_taken_fails_once_naming_it(served, current_python, tmp_path):
+    """``inv service.start`` on a port something else listens on: one error line (not the host's line
+    and then the exit's), naming the port, and no server left behind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        inv = write_inventory(tmp_path, {"busy": served.sshd.entry(
+            python=str(current_python), workdir=str(tmp_path / "wd"), profile="cpu",
+            env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+            service={"vllm": {"port": port, "args": ["--max-model-len", "256"]}, "health_timeout": 300})},
+            model={"path": str(served.workdir.parent / "tiny")})
+        r = run_inv("service.start", "--hosts", "busy", "--inventory", str(inv), timeout=600)
+    printed = (r.stdout + r.stderr).splitlines()
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    errors = [l for l in printed if str(port) in l]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "busy" in errors[0], printed
+    st = json.loads(run_inv("service.status", "--hosts", "busy", "--json", "--inventory", str(inv)).stdout)["busy"]
+    assert st["running"] is False, st
+
+
 def test_the_managed_server_command_follows_the_host_and_the_inventory():
     """The managed server's command line (runtime/service.py): on a host without an accelerator, eager
     unless the inventory's args ask for compilation; float32 only with a draft on a CPU that emulates
@@ -374,6 +404,61 @@ def test_the_managed_server_command_follows_the_host_and_the_inventory():
     own = argv(draft=draft, accelerator=False, native_bf16=False,
                config={"vllm": {"args": ["--dtype=bfloat16", "--no-enforce-eager"]}})
     assert own.count("--dtype=bfloat16") == 1 and "float32" not in own and "--enforce-eager" not in own
+
+
+@pytest.mark.timeout(1800)
+def test_deploy_to_a_server_of_your_own_commands(served, current_python, tmp_path):
+    """README: a service run by commands of your own (systemd's, say) learns its draft from
+    ``<workdir>/service/draft.env`` (``SPECULATIVE_CONFIG``), also in its start command's environment;
+    the harness measures it at its ``url``. Here the start command is a real vLLM server for the same
+    target, its draft argument taken from that variable; ``service.start --no-wait`` returns before it
+    is healthy."""
+    served.inv("service.stop", timeout=300)  # the managed server of the tests above gives up the cores
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "runs").symlink_to(served.workdir / "runs")  # the same trained runs, a service of its own
+    port, pid, log = free_port(), tmp_path / "server.pid", tmp_path / "server.log"
+    model = str(served.workdir.parent / "tiny")  # the fixture's tiny target
+    start = (f"VLLM_CPU_KVCACHE_SPACE=1 setsid {current_python} -m vllm.entrypoints.openai.api_server --model {model} "
+             f"--host 127.0.0.1 --port {port} --max-model-len 256 --enforce-eager "
+             '${SPECULATIVE_CONFIG:+--speculative-config "$SPECULATIVE_CONFIG"}'
+             f" > {log} 2>&1 < /dev/null & echo $! > {pid}")
+    stop = f"kill -TERM -- -$(cat {pid}); while kill -0 $(cat {pid}) 2>/dev/null; do sleep 0.5; done"
+    health = f"{current_python} -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=5)\""
+    inv = write_inventory(tmp_path, {"own": served.sshd.entry(
+        python=str(current_python), workdir=str(wd), profile="cpu", env={"HF_HUB_OFFLINE": "1"},
+        service={"start": start, "stop": stop, "health": health, "running": f"kill -0 $(cat {pid})",
+                 "url": f"http://127.0.0.1:{port}", "health_timeout": 600})},
+        model={"path": model}, pipeline=PIPELINE, deploy=DEPLOY)
+    env = {"HARNESS_INVENTORY": str(inv), "HARNESS_RUNS_DIR": str(tmp_path / "runs")}
+    try:
+        r = run_inv("service.start", "--no-wait", "--hosts", "own", "--json", env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert pid.exists() and not json.loads(r.stdout)["own"].get("healthy"), r.stdout  # not waited for
+        wait_for(lambda: json.loads(run_inv("service.status", "--hosts", "own", "--json", env=env).stdout)
+                 ["own"].get("healthy"), timeout=600, step=2)
+
+        train = served.stages["train"]["run_id"]
+        r = run_inv("deploy", train, "--hosts", "own", "--json", env=env, timeout=1500)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        res = json.loads(r.stdout)["own"]["result"]
+        assert res["state"] == "deployed" and res["measurement"]["acceptance_length"] >= DEPLOY["min_acceptance"], res
+        draft_env = [l for l in (wd / "service" / "draft.env").read_text().splitlines() if not l.startswith("#")]
+        assert len(draft_env) == 1 and draft_env[0].startswith("SPECULATIVE_CONFIG="), draft_env
+        config = json.loads(shlex.split(draft_env[0].split("=", 1)[1])[0])  # as bash (systemd) reads it
+        assert config["method"] == "eagle3", config
+        assert config["num_speculative_tokens"] == DEPLOY["k"] and Path(config["model"]).is_relative_to(wd / "deploys")
+        # the server the start command made runs that draft: vLLM logs its speculative config
+        assert config["model"] in log.read_text(), log.read_text()[-2000:]
+        st = json.loads(run_inv("service.status", "--hosts", "own", "--json", env=env).stdout)["own"]
+        assert st["healthy"] and st["draft"]["run_id"] == train
+
+        r = run_inv("deploy", "--rollback", "--hosts", "own", "--json", env=env, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert [l for l in (wd / "service" / "draft.env").read_text().splitlines()
+                if not l.startswith("#")] == ["SPECULATIVE_CONFIG="]  # no draft
+    finally:
+        run_inv("service.stop", "--hosts", "own", env=env, timeout=300)
 
 
 @pytest.mark.timeout(1800)
