@@ -193,7 +193,7 @@ class LiveView:
 
     def _row(self, host: str):
         if host not in self._rows and self._progress is not None:
-            self._rows[host] = self._progress.add_task("", total=None, host=host, count="", last="")
+            self._rows[host] = self._progress.add_task("", total=None, host=host, count="", last="", visible=False)
         return self._rows.get(host)
 
     def begin(self, host: str, stage: str, note: str = "") -> None:
@@ -201,8 +201,9 @@ class LiveView:
         with self._lock:
             row = self._row(host)
             if row is not None:
-                self._progress.reset(row, total=None, completed=0, description=stage, count="", last=note,
-                                     visible=True)
+                # reset() replaces the task's fields: every one the columns read is given again
+                self._progress.reset(row, total=None, completed=0, description=stage, host=host, count="",
+                                     last=note, visible=True)
 
     def end(self, host: str, text: str, style: str = "") -> None:
         """``host``'s stage is over: ``text`` becomes a line of its own, the row waits for the next."""

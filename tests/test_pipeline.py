@@ -6,6 +6,7 @@ PyPI (``--no-deps``), so the pipeline patches that copy and never the test runne
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -414,3 +415,56 @@ def test_stage_contracts_cached_between_processes_follow_every_edit(tmp_path):
     assert loss_tokens() == "all"
     cache.write_bytes(b"not marshal")
     assert loss_tokens() == "all"
+
+
+def _on_a_terminal(argv: list[str], env: dict, timeout: float = 900) -> tuple[int, str]:
+    """Run ``argv`` with a pseudo-terminal as its stdout and stderr (what a person's shell gives it):
+    (exit code, everything it wrote, escape sequences included)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    main, sub = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sub, stderr=sub, cwd=REPO,
+                            env={**os.environ, **env, "COLUMNS": "160", "TERM": "xterm-256color"})
+    os.close(sub)
+    out, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([main], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    return proc.wait(timeout=60), out.decode(errors="replace")
+
+
+def test_pipeline_on_a_terminal_draws_live_rows_and_one_line_a_stage(setup_inv):
+    """What a person sees: on a terminal, the live row (rich) is drawn and cleared, each stage that ran
+    or was skipped is one line, the summary table follows; off a terminal --verbose prints the log."""
+    import sys
+
+    root, write = setup_inv
+    inv = write(draft_vocab_size=40)  # a vocab run of its own
+    env = {"HARNESS_RUNS_DIR": str(root / "runs"), "HF_HUB_OFFLINE": "1"}
+    rc, out = _on_a_terminal([sys.executable, "-m", "invoke", "--search-root", str(REPO), "pipeline", "--to", "vocab",
+                              "--inventory", str(inv)], env)
+    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    assert "\x1b[" in out and "\x1b[?25l" in out  # drawn live: styled, the cursor hidden while rows update
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out).replace("\r", "\n")
+    assert re.search(r"\[gpu\] vocab +done in \d+:\d\d", plain), plain[-3000:]
+    for stage in ("prepare", "extract"):
+        assert re.search(rf"\[gpu\] {stage} +skipped: inputs unchanged", plain), plain[-3000:]
+    assert "pipeline on gpu" in plain and "HTTP Request" not in plain
+    # --verbose, off a terminal: the stage's log lines themselves (the harness's own among them)
+    r = run_inv("pipeline", "--to", "vocab", "--verbose", "--inventory", str(write(draft_vocab_size=44)), env=env,
+                timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "@@harness" in r.stderr and re.search(r"\[gpu\] vocab +done in", r.stderr), r.stderr[-3000:]
