@@ -112,6 +112,25 @@ def plan_roles(inv: Inventory, name: str) -> dict[str, tuple[dict[str, dict[str,
     return out
 
 
+#: how a node can end without success, the likeliest cause of a job's end first: a node lost with its
+#: host (or out of reach) or stopped by someone makes its peers fail in their next collective, so
+#: their failures are its consequence, whichever the workstation heard of first
+_CAUSES = ("lost", "unreachable", "stopped", "failed")
+
+
+def culprit(conns: list[HostConnection], finals: dict[str, dict], stopped_by_us: set[str]) -> str | None:
+    """The node a failed job is named after: by ``_CAUSES``, then the one that finished first. A node
+    that this job stopped itself, and that ended stopped, is not the cause; one it tried to stop that
+    was already lost (or had failed) may be."""
+    def key(c):
+        st = finals.get(c.name) or {}
+        state = st.get("state")
+        return (_CAUSES.index(state) if state in _CAUSES else len(_CAUSES), st.get("finished_ts") or float("inf"))
+    candidates = [c for c in conns if (finals.get(c.name) or {}).get("state") not in ("succeeded", None)
+                  and not (c.name in stopped_by_us and finals[c.name].get("state") == "stopped")]
+    return min(candidates, key=key).name if candidates else None
+
+
 def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None = None,
                on_line: Callable[[str, str], None] | None = None, stop_grace: float = 10.0) -> list[dict]:
     """Follow run ``run_id`` on every host at once until all end; the first that ends without success
@@ -133,6 +152,7 @@ def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None =
         return st
 
     size = len(conns)
+    stopped_by_us: set[str] = set()
     with ThreadPoolExecutor(max_workers=size) as pool:
         futures = {pool.submit(one, c): c for c in conns}
         pending = set(futures)
@@ -141,17 +161,17 @@ def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None =
             for f in done:
                 conn, st = futures[f], f.result()
                 if st.get("state") != "succeeded" and not first_bad:
-                    rank = conns.index(conn)
-                    first_bad.append((conn.name, f"host {conn.name} (node {rank + 1} of {size}) "
-                                                 f"{runs.describe_failure(st)}"))
+                    first_bad.append((conn.name, ""))
                     for other in conns:  # a torchrun job cannot finish without every node: stop the rest
                         if other is not conn and other.name not in finals:
+                            stopped_by_us.add(other.name)
                             try:
                                 runs.stop(other, run_id, grace=stop_grace)
                             except HarnessError:
                                 pass
     if first_bad:
-        name, why = first_bad[0]
+        name = culprit(conns, finals, stopped_by_us) or first_bad[0][0]
+        why = f"host {name} (node {[c.name for c in conns].index(name) + 1} of {size}) {runs.describe_failure(finals[name])}"
         others = [c.name for c in conns if c.name != name]
         raise HarnessError(f"job {run_id}: {why}; the other nodes ({', '.join(others)}) were stopped. See: "
                            f"inv runs.logs {run_id} --hosts {name}", kind="node " + finals[name].get("state", "failed"))

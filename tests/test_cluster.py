@@ -289,3 +289,18 @@ def test_a_bad_cluster_is_one_line_before_any_host(tmp_path):
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr
         assert time.monotonic() - t0 < 30  # no connection was tried (192.0.2.0/24 answers nothing)
+
+
+def test_a_failed_job_is_named_after_its_cause_not_the_first_node_heard_of():
+    """A node lost with its host makes its peer fail in the next collective, and the workstation may
+    hear of the peer first: the job is named after the lost node. A node the job stopped itself is not
+    the cause; between two failures, the earlier one is."""
+    from harness.cluster import culprit
+
+    nodes = [SimpleNamespace(name="node0"), SimpleNamespace(name="node1")]
+    assert culprit(nodes, {"node0": {"state": "failed", "finished_ts": 5}, "node1": {"state": "lost"}}, {"node1"}) == "node1"
+    assert culprit(nodes, {"node0": {"state": "stopped", "finished_ts": 5}, "node1": {"state": "failed",
+                                                                                     "finished_ts": 6}}, {"node0"}) == "node1"
+    assert culprit(nodes, {"node0": {"state": "failed", "finished_ts": 7}, "node1": {"state": "failed",
+                                                                                    "finished_ts": 6}}, set()) == "node1"
+    assert culprit(nodes, {"node0": {"state": "succeeded"}, "node1": {"state": "succeeded"}}, set()) is None
