@@ -53,19 +53,22 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def fits(url: str, messages: list, max_tokens: int) -> bool:
+def served_model(url: str) -> str:
+    """The model id the server at ``url`` serves (what every request names)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def fits(url: str, model: str, messages: list, max_tokens: int) -> bool:
     """Whether the server takes ``messages`` with ``max_tokens`` new tokens: its own /tokenize count of
     the templated prompt against its max_model_len."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
     t = post(url + "/tokenize", {"model": model, "messages": messages, "add_generation_prompt": True})
     return t["count"] + max_tokens <= t["max_model_len"]
 
 
 def phase(url: str, prompts: list, max_tokens: int) -> dict:
     """The prompts one at a time through the server: completion tokens, wall seconds, tokens/s."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = served_model(url)
     body = lambda m: {"model": model, "messages": m, "max_tokens": max_tokens, "temperature": 0.0}  # noqa: E731
     for m in prompts[:2]:  # warm-up: the first requests after a start pay one-off costs
         post(url + "/v1/chat/completions", body(m))
@@ -119,8 +122,9 @@ def main() -> int:
     inv("service.start", "--hosts", args.hosts, inventory=args.inventory)
     print(f"service.start: {time.perf_counter() - t:.0f} s", flush=True)
     # only the prompts the server can take with max_tokens more (vLLM's /tokenize counts them its way)
+    model = served_model(url)
     for cat in list(categories):
-        categories[cat] = [m for m in categories[cat] if fits(url, m, args.max_tokens)]
+        categories[cat] = [m for m in categories[cat] if fits(url, model, m, args.max_tokens)]
         if not categories[cat]:
             print(f"{cat}: no prompt fits the server's max_model_len with {args.max_tokens} new tokens: left out")
             del categories[cat]

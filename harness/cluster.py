@@ -161,7 +161,7 @@ def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None =
             for f in done:
                 conn, st = futures[f], f.result()
                 if st.get("state") != "succeeded" and not first_bad:
-                    first_bad.append((conn.name, ""))
+                    first_bad.append(conn.name)
                     for other in conns:  # a torchrun job cannot finish without every node: stop the rest
                         if other is not conn and other.name not in finals:
                             stopped_by_us.add(other.name)
@@ -170,7 +170,7 @@ def follow_job(conns: list[HostConnection], run_id: str, inv: Inventory | None =
                             except HarnessError:
                                 pass
     if first_bad:
-        name = culprit(conns, finals, stopped_by_us) or first_bad[0][0]
+        name = culprit(conns, finals, stopped_by_us) or first_bad[0]
         why = f"host {name} (node {[c.name for c in conns].index(name) + 1} of {size}) {runs.describe_failure(finals[name])}"
         others = [c.name for c in conns if c.name != name]
         raise HarnessError(f"job {run_id}: {why}; the other nodes ({', '.join(others)}) were stopped. See: "

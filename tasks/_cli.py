@@ -146,6 +146,17 @@ _CHATTER = re.compile(r"HTTP Request: |\r|\bit/s\]|examples/s\]|^\s*$|Warning: |
 _LOG_PREFIX = re.compile(r"^(\[\d\d:\d\d:\d\d\] +)?(\s*(DEBUG|INFO|WARNING|ERROR) +)|^@@harness (\d\d:\d\d:\d\d )?")
 
 
+def progress_of(line: str) -> tuple[int, int | None, str] | None:
+    """A ``@@progress`` line's (done, total or None while not known, unit); None for any other line."""
+    if not line.startswith(PROGRESS):
+        return None
+    try:
+        p = json.loads(line[len(PROGRESS):])
+        return p.get("done") or 0, p.get("total") or None, p.get("unit", "")
+    except (ValueError, AttributeError):
+        return None
+
+
 def meaningful(line: str) -> str | None:
     """The part of a stage's log line worth a glance (the live view's last line), or None for chatter."""
     if line.startswith(PROGRESS) or _CHATTER.search(line):
@@ -211,7 +222,7 @@ class LiveView:
             row = self._rows.get(host)
             if row is not None:
                 self._progress.update(row, visible=False)
-            self._print(host, f"[{style}]{escape(text)}[/]" if style else escape(text))
+            self.say(host, text, style)
 
     def say(self, host: str, text: str, style: str = "") -> None:
         """A message from the harness, printed above the rows."""
@@ -220,19 +231,15 @@ class LiveView:
     def line(self, host: str, line: str) -> None:
         """A line of ``host``'s stage log: ``@@progress`` moves the bar; with ``verbose`` every other
         line is printed; the last meaningful one shows on the row."""
-        if line.startswith(PROGRESS):
-            try:
-                p = json.loads(line[len(PROGRESS):])
-                done, total, unit = p.get("done") or 0, p.get("total") or None, p.get("unit", "")
-            except (ValueError, AttributeError):
-                p = None
-            if p is not None:
-                with self._lock:
-                    row = self._row(host)
-                    if row is not None:
-                        count = f"{done}/{total} {unit}" if total else f"{done} {unit}"
-                        self._progress.update(row, completed=done, total=total, count=count, visible=True)
-                return
+        p = progress_of(line)
+        if p is not None:
+            done, total, unit = p
+            with self._lock:
+                row = self._row(host)
+                if row is not None:
+                    count = f"{done}/{total} {unit}" if total else f"{done} {unit}"
+                    self._progress.update(row, completed=done, total=total, count=count, visible=True)
+            return
         if self.verbose:
             if self.many:
                 self._print(host, f"[dim]{escape(line)}[/]")
@@ -251,12 +258,11 @@ class LiveView:
 
 
 class StageView(LiveView):
-    """One stage on one host (``inv stage.X``, ``inv deploy``): a LiveView of a single row; ``echo``
-    (when given) takes the lines that are printed instead of the console."""
+    """One run's whole log as it comes (``inv runs.logs --follow``): every line to ``echo``, its
+    ``@@progress`` lines on a LiveView row instead."""
 
-    def __init__(self, label: str, show: bool = True, echo: Callable[[str], None] | None = None,
-                 verbose: bool = False):
-        super().__init__([label], verbose=verbose or echo is not None, show=show)
+    def __init__(self, label: str, echo: Callable[[str], None]):
+        super().__init__([label])
         self.label, self.echo = label, echo
 
     def __enter__(self):
@@ -264,15 +270,11 @@ class StageView(LiveView):
         self.begin(self.label, "")
         return self
 
-    def _print(self, host: str, markup: str) -> None:
-        if self.echo is not None:
-            from rich.text import Text
-            self.echo(Text.from_markup(markup).plain)
+    def line(self, line: str) -> None:  # type: ignore[override]
+        if progress_of(line) is not None:
+            super().line(self.label, line)
         else:
-            super()._print(host, markup)
-
-    def line(self, line: str, _unused: str | None = None) -> None:  # type: ignore[override]
-        super().line(self.label, line)
+            self.echo(line)
 
 
 class ByteBar:

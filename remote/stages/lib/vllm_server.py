@@ -150,5 +150,6 @@ def speculators_cli(stage: str, args: list[str], *, env: dict | None = None, pro
         time.sleep(1)
     if progress:
         progress()
-    if proc.wait() != 0:
-        common.fail(stage, f"speculators {args[0]} exited with code {proc.proc.returncode}: {proc.error()}")
+    rc = proc.wait()
+    if rc != 0:
+        common.fail(stage, f"speculators {args[0]} exited with code {rc}: {proc.error()}")
