@@ -59,12 +59,13 @@ def timed(argv: list[str], env: dict | None = None) -> float:
 def probe_bundle(dest: Path) -> Path:
     """remote/probe.py plus the remote modules it imports as one runnable file: Ansible's script
     module copies a single file, and python runs a zipapp's __main__ with its members importable."""
+    from harness import remote_source
     from harness.connection import with_deps
 
     src = dest / "probe-bundle"
     src.mkdir()
     for name in with_deps(["probe"]):
-        shutil.copy(REPO / "remote" / "tools" / f"{name}.py", src / ("__main__.py" if name == "probe" else f"{name}.py"))
+        shutil.copy(remote_source(name), src / ("__main__.py" if name == "probe" else f"{name}.py"))
     zipapp.create_archive(src, dest / "probe.pyz")
     return dest / "probe.pyz"
 

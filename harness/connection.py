@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 import fabric
 import paramiko
 
-from harness import TOOLS_DIR
+from harness import remote_source
 from harness.errors import HarnessError, HostKeyError, HostUnreachable, RemoteError
 from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
 
@@ -54,8 +54,9 @@ REMOTE_DEPS: dict[str, tuple[str, ...]] = {
 
 
 def with_deps(names: Iterable[str]) -> list[str]:
-    """``names`` plus every module they import from remote/ (transitively), each once, in order."""
-    out: list[str] = []
+    """``names`` plus every module they import from remote/ (transitively), each once, in order; the host
+    core (remote/hostcore.py) always."""
+    out: list[str] = ["hostcore"]
 
     def add(n: str) -> None:
         if n not in out:
@@ -565,11 +566,14 @@ class HostConnection:
                    timeout: float | None = None, remote_dir: Path | None = None) -> dict:
         """Run ``remote/tools/<entry>.py``'s ``main(spec)`` on the host's python, in one round trip.
         ``spec`` may be a callable, called while the host starts its interpreter (see ``exec``)."""
-        root = remote_dir or TOOLS_DIR
         modules = with_deps([entry, *modules])
 
+        def source(n: str) -> str:
+            return (remote_dir / f"{n}.py" if remote_dir and (remote_dir / f"{n}.py").exists()
+                    else remote_source(n)).read_text()
+
         def payload() -> bytes:
-            return json.dumps({"modules": {n: (root / f"{n}.py").read_text() for n in modules}, "entry": entry,
+            return json.dumps({"modules": {n: source(n) for n in modules}, "entry": entry,
                                "spec": spec() if callable(spec) else spec}).encode()
 
         cmd = f"{self.python} -c {shlex.quote(_BOOTSTRAP)}"

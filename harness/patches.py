@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from harness import CACHE_DIR, PATCHES_DIR, TOOLS_DIR
-from harness.connection import REMOTE_DEPS, open_host
+from harness import CACHE_DIR, PATCHES_DIR, remote_source
+from harness.connection import open_host, with_deps
 from harness.errors import HarnessError, HostUnreachable
 from harness.inventory import line_of as yaml_line_of
 from harness.parallel import on_hosts
@@ -209,9 +209,10 @@ def load_remote(name: str):
     """Import a stdlib module of remote/ by path (it is shipped to hosts, not installed here)."""
     import importlib.util
 
-    for dep in REMOTE_DEPS.get(name, ()):  # the helpers it imports by their plain name, as on a host
-        sys.modules.setdefault(dep, load_remote(dep))
-    spec = importlib.util.spec_from_file_location(f"_remote_{name}", TOOLS_DIR / f"{name}.py")
+    for dep in with_deps([name])[::-1]:  # the helpers it imports by their plain name, as on a host
+        if dep != name:
+            sys.modules.setdefault(dep, load_remote(dep))
+    spec = importlib.util.spec_from_file_location(f"_remote_{name}", remote_source(name))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

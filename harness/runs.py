@@ -33,15 +33,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from harness import BUNDLE_DIRS, REMOTE_DIR, TEMPLATES_DIR, TOOLS_DIR
+from harness import BUNDLE_DIRS, BUNDLE_FILES, REMOTE_DIR, TEMPLATES_DIR, hostcore, remote_source
 from harness.connection import HostConnection, shell_path
 from harness.envfile import Masker, render_env, render_template
 from harness.errors import HarnessError, HostUnreachable
 from harness.inventory import HostSpec, Inventory
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-FINAL = ("succeeded", "failed", "stopped", "lost")
-PROGRESS = "@@progress "
+FINAL = hostcore.FINAL
 
 
 def local_runs_dir() -> Path:
@@ -60,7 +59,7 @@ def code_bundle(root: Path | None = None) -> tuple[str, bytes]:
     per-call tools and the pip profiles are not part of it. The hash covers paths, exec bits and
     contents only, so it changes exactly when what runs on the host would."""
     root = Path(root or REMOTE_DIR)
-    files = []
+    files = [(name, root / name) for name in BUNDLE_FILES if (root / name).is_file()]
     walks = [os.walk(root / d) for d in BUNDLE_DIRS if (root / d).is_dir()]
     for dirpath, dirnames, filenames in (entry for w in walks for entry in w):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
@@ -162,6 +161,7 @@ def render_wrapper(host: HostSpec, *, run_id: str, stage: str, spec_hash: str, c
         "service_managed": bool(svc and svc.managed and commands),
         "guard_timeout": svc.timeout if svc else 300, "health_timeout": svc.health_timeout if svc else 1800,
         "poll_interval": poll_interval, "secret_names": secret_names, "lock_wait": lock_wait,
+        "states": hostcore.STATES,
     }
     return render_template((templates_dir or TEMPLATES_DIR) / "run", "wrapper.sh.j2", ctx)
 
@@ -260,8 +260,10 @@ def last_env(conn: HostConnection) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # following a run
 
-_FOLLOW_BOOT = ("import json,sys\n"
+_FOLLOW_BOOT = ("import json,sys,types\n"
                 "d=json.loads(sys.stdin.read())\n"
+                "core=sys.modules['hostcore']=types.ModuleType('hostcore')\n"
+                "exec(compile(d['core'],'remote/hostcore.py','exec'),core.__dict__)\n"
                 "g={'__name__':'runctl'}\n"
                 "exec(compile(d['src'],'remote/tools/runctl.py','exec'),g)\n"
                 "g['follow'](d['spec'])\n")
@@ -315,7 +317,7 @@ def follow(conn: HostConnection, run_id: str, *, on_line: Callable[[str], None] 
     check_run_id(run_id)
     state = FollowState(run_id, conn.name, base)
     masker = masker or Masker()
-    src = (TOOLS_DIR / "runctl.py").read_text()
+    src = {"core": remote_source("hostcore").read_text(), "src": remote_source("runctl").read_text()}
     final: dict = {}
     pending = [""]
     emit = on_line or (lambda line: None)
@@ -359,7 +361,7 @@ def _follow_loop(conn, run_id, state, src, final, handle, max_s, reconnect_s) ->
                 "attempt": state.attempt, "max_s": max_s}
         cmd = f"{conn.python} -c {shlex.quote(_FOLLOW_BOOT)}"
         try:
-            res = conn.exec(cmd, stdin=json.dumps({"src": src, "spec": spec}).encode(),
+            res = conn.exec(cmd, stdin=json.dumps({**src, "spec": spec}).encode(),
                             on_stdout=handle)
             if res.rc == -1 and not final:  # the channel closed without an exit status: link lost
                 raise HostUnreachable(f"host {conn.name}: connection lost")

@@ -66,12 +66,13 @@ def main(spec):
 
 
 def code_root(tmp: Path) -> Path:
-    """A remote/ tree for tests: the runtime the bundle carries plus stages/teststage.py."""
+    """A remote/ tree for tests: the host core and runtime the bundle carries plus stages/teststage.py."""
     root = tmp / "code"
     (root / "stages").mkdir(parents=True, exist_ok=True)
     (root / "runtime").mkdir(exist_ok=True)
     for name in ("runstage.py", "logmask.py"):
         shutil.copy(REMOTE_DIR / "runtime" / name, root / "runtime" / name)
+    shutil.copy(REMOTE_DIR / "hostcore.py", root / "hostcore.py")
     (root / "stages" / "teststage.py").write_text(TEST_STAGE)
     return root
 

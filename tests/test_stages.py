@@ -652,7 +652,7 @@ def test_a_stage_server_is_stopped_with_its_whole_process_group(tmp_path):
     code = f"""
 import os, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from runtime.service import group_alive
+from hostcore import group_alive
 from stages.lib.vllm_server import VllmServer
 server = VllmServer("test", "model", log_path={str(log)!r}, max_model_len=16)
 server.proc = subprocess.Popen(["sh", "-c", {server!r}, {str(log)!r}], start_new_session=True)

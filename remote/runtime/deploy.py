@@ -25,7 +25,6 @@ status, log and follow, so a dropped link changes nothing: the job finishes on t
 and restarts it. Every outcome is appended to ``deploys/history.jsonl``.
 """
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +32,8 @@ import signal
 import time
 from contextlib import contextmanager
 
-from runtime.service import Service, ServiceError, read_json, restart, write_text
+from hostcore import read_json, sha256_file, write_json
+from runtime.service import Service, ServiceError, restart
 
 SETTINGS = {                 # inventory ``deploy:`` (and inv deploy's options) over these defaults
     "k": 3,                  # draft tokens per step (vLLM's num_speculative_tokens)
@@ -56,10 +56,6 @@ def say(message):
 
 def now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def write_json(path, data):
-    write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 @contextmanager
@@ -91,14 +87,6 @@ def host_lock(workdir, owner):
 # ---------------------------------------------------------------------------------------------------
 # what is checked before the server is touched
 
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def checked_checkpoint(train_artifacts, run_id):
     """The train run's checkpoint files -> sha256, each checked against the run's SHA256SUMS."""
     ckpt = os.path.join(train_artifacts, "checkpoint")
@@ -125,7 +113,7 @@ def checked_checkpoint(train_artifacts, run_id):
             continue
         if rel not in sums:
             raise DeployFailed("run %s: %s is not in the run's SHA256SUMS (changed after the run?)" % (run_id, rel))
-        digest = sha256(os.path.join(ckpt, name))
+        digest = sha256_file(os.path.join(ckpt, name))
         if digest != sums[rel]:
             raise DeployFailed("run %s: %s does not match the run's SHA256SUMS (sha256 %s, recorded %s); "
                                "run train again" % (run_id, rel, digest, sums[rel]))
@@ -215,7 +203,7 @@ def install(ckpt, files, dest):
         os.makedirs(tmp)
         for name, digest in files.items():
             shutil.copyfile(os.path.join(ckpt, name), os.path.join(tmp, name))
-            if sha256(os.path.join(tmp, name)) != digest:
+            if sha256_file(os.path.join(tmp, name)) != digest:
                 raise DeployFailed("the copy of checkpoint/%s under %s differs from the run's; check the disk"
                                    % (name, tmp))
         os.replace(tmp, dest)

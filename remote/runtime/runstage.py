@@ -16,6 +16,8 @@ import sys
 import time
 import traceback
 
+from hostcore import write_json
+
 
 def main(argv):
     if len(argv) != 2:
@@ -49,10 +51,7 @@ def main(argv):
         return 1
     result = dict(result or {})
     result.setdefault("seconds", round(time.time() - started, 3))
-    tmp = os.path.join(run_dir, "result.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, os.path.join(run_dir, "result.json"))
+    write_json(os.path.join(run_dir, "result.json"), result)
     print("@@harness stage %s done in %.1fs" % (spec["stage"], time.time() - started), flush=True)
     return 0
 

@@ -20,12 +20,13 @@ detached server process, never in an SSH call.
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from hostcore import identity, is_alive, read_json, stop_group, write_text
 
 #: arguments a managed server always gets first; the inventory's ``args`` follow
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -38,25 +39,6 @@ def state_dir(workdir):
     return os.path.join(os.path.abspath(os.path.expanduser(workdir)), "service")
 
 
-def read_json(path, default=None):
-    """A JSON file's content, or ``default`` when it is missing or unreadable."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
-def write_text(path, text, mode=0o644):
-    """Write ``path`` atomically (a temp file, then renamed): a reader never sees half of it."""
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def write_config(workdir, config, env_text):
     """What the harness sends on each call: the service settings (config.json) and the env file the
     server runs with (``env``, 0600: it may hold secrets)."""
@@ -64,78 +46,6 @@ def write_config(workdir, config, env_text):
     os.makedirs(d, exist_ok=True)
     write_text(os.path.join(d, "env"), env_text or "", 0o600)
     write_text(os.path.join(d, "config.json"), json.dumps(config, indent=1, sort_keys=True) + "\n", 0o600)
-
-
-def _boot_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def _proc_start(pid):
-    """The process's start time in clock ticks (with the boot id, what tells it from a reused pid), or
-    None when it is gone or a zombie: a server that exited under the process that started it (a deploy
-    job) stays in the process table until that process reaps it, and must read as exited."""
-    try:
-        with open("/proc/%d/stat" % int(pid)) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, TypeError):
-        return None
-    if len(fields) < 20 or fields[0] in ("Z", "X"):
-        return None
-    return fields[19]
-
-
-def group_alive(pgid):
-    """Whether a live (not zombie) process is left in process group ``pgid``. A zombie member (the server,
-    exited under the deploy job that started it and has not reaped it yet) would keep ``killpg(pgid, 0)``
-    succeeding forever; /proc tells the two apart."""
-    try:
-        os.killpg(int(pgid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return True
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(int(pgid)) and fields[0] not in ("Z", "X"):
-            return True
-    return False
-
-
-def stop_group(pgid, grace, kill_wait, reap=lambda: None):
-    """SIGTERM to process group ``pgid``, SIGKILL after ``grace`` seconds; returns True once no live
-    process of the group is left, False if one is still alive ``kill_wait`` seconds after SIGKILL.
-    Not when the leader exits: a server's workers outlive it by a moment and still write its log.
-    ``reap`` is called while waiting, so that the caller's own child does not linger as a zombie.
-    The production service and a stage's own vLLM server are both stopped with it."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
-        reap()
-        if not group_alive(pgid):
-            return True
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return True
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            reap()
-            if not group_alive(pgid):
-                return True
-            time.sleep(0.1)
-    return not group_alive(pgid)
 
 
 def speculative_config(draft):
@@ -187,9 +97,7 @@ class Service:
 
     def _pid_record(self):
         rec = read_json(self.pidfile)
-        if not rec or rec.get("boot_id") != _boot_id() or _proc_start(rec.get("pid")) != str(rec.get("pid_start")):
-            return None
-        return rec
+        return rec if is_alive(rec) else None
 
     def running(self):
         """Managed: the server's process is alive. Commands: the ``running`` command says so (None
@@ -234,9 +142,8 @@ class Service:
                     cwd=code_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                     close_fds=True)
             self._child = proc  # reaped by running()/wait_healthy when it exits under this process
-            write_text(self.pidfile, json.dumps({"pid": proc.pid, "pid_start": _proc_start(proc.pid),
-                                             "boot_id": _boot_id(), "started_ts": time.time(),
-                                             "draft": self.draft()}) + "\n")
+            write_text(self.pidfile, json.dumps(dict(identity(proc.pid), started_ts=time.time(),
+                                                       draft=self.draft())) + "\n")
             return {"started": True, "pid": proc.pid}
         cmd = (self.config.get("commands") or {}).get("start")
         if not cmd:
@@ -276,7 +183,7 @@ class Service:
             if rec is None:
                 return {"stopped": False, "was_running": False}
             pgid = int(rec["pid"])
-            if not stop_group(pgid, grace, 15.0, self._reap):
+            if not stop_group(pgid, grace, 15.0, self._reap)[0]:
                 raise ServiceError("the server's process group %d survived SIGKILL" % pgid)
             os.remove(self.pidfile)
             with open(self.log, "ab") as out:  # what the server logs as it is killed is not its last error

@@ -8,7 +8,6 @@ Kept small on purpose: a stage file should read top to bottom without jumping he
 import contextlib
 import copy
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +18,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from hostcore import progress_line, sha256_file, text_config, write_json  # noqa: F401 - the stages use common.write_json
 
 COMMON_SETTINGS = {          # pipeline settings every stage reads (device, compute_dtype), with their defaults
     "device": "auto",        # torch device: auto (cuda when torch sees one), cpu, cuda, cuda:N
@@ -138,7 +139,7 @@ def _emit(line: str) -> None:
 
 
 def progress(done: int, total: int, unit: str):
-    _emit("@@progress " + json.dumps({"done": int(done), "total": int(total), "unit": unit}))
+    _emit(progress_line(done, total, unit))
 
 
 def log(message: str):
@@ -184,12 +185,6 @@ class Child:
         lines = [l.strip(" │|") for l in self.tail if l.strip(" │|╰╭─")]
         hit = next((l for l in reversed(lines) if _ERROR_LINE.match(l)), lines[-1] if lines else "no output")
         return hit if len(hit) <= 300 else hit[:297] + "..."
-
-
-def write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def cli(main):
@@ -339,14 +334,6 @@ def _gguf_read_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 #: bumped when the conversion's output changes, so a directory converted before is not reused
 GGUF_CONVERSION = "v2"
 
@@ -395,7 +382,7 @@ def model_dir(spec: dict) -> str:
         path = Path(model["path"]).expanduser()
         return str(path) if path.exists() else model["path"]
     gguf = _gguf_path(model)
-    target = workdir(spec) / "models" / f"{gguf.stem}-{_sha256(gguf)[:12]}-{GGUF_CONVERSION}"
+    target = workdir(spec) / "models" / f"{gguf.stem}-{sha256_file(gguf)[:12]}-{GGUF_CONVERSION}"
     if (target / "config.json").is_file():
         return str(target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -447,11 +434,6 @@ def load_model(spec: dict, path: str, dev: str, dtype):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kwargs(spec))
     return model.to(dev).eval()
-
-
-def text_config(config):
-    """The language model's config (multimodal wrappers keep it under ``text_config``)."""
-    return getattr(config, "text_config", None) or config
 
 
 # ---------------------------------------------------------------------------------------------------

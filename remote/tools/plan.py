@@ -16,9 +16,8 @@ import struct
 
 import probe
 import runctl
+from hostcore import text_config, text_config_key
 
-#: where multimodal wrappers keep their language model's config (Kimi-K2.5: text_config)
-TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "language_model")
 #: GGUF metadata value types (gguf's GGUFValueType): struct format of the scalar ones
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING, GGUF_ARRAY = 8, 9
@@ -26,11 +25,7 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 
 def _shape(cfg, source):
     """layers, hidden size, vocabulary and dtype of the language model a config.json describes."""
-    text, nested = cfg, None
-    for key in TEXT_CONFIG_KEYS:
-        if isinstance(cfg.get(key), dict) and cfg[key].get("hidden_size"):
-            text, nested = cfg[key], key
-            break
+    text, nested = text_config(cfg), text_config_key(cfg)
     out = {"source": source, "architectures": cfg.get("architectures"), "model_type": text.get("model_type"),
            "text_config": nested, "num_hidden_layers": text.get("num_hidden_layers"),
            "hidden_size": text.get("hidden_size"), "vocab_size": text.get("vocab_size"),

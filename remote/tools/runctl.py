@@ -26,17 +26,10 @@ import sys
 import tarfile
 import time
 
-ACTIVE = ("launching", "starting", "waiting", "guarding", "running", "restoring", "hashing")
+from hostcore import (ACTIVE, Refused, boot_id, group_alive, is_alive, read_json, sha256_file, stop_group, text_config,
+                      text_config_key, write_json, write_text)
+
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class Refused(Exception):
-    """A request the host declines, with a one-line reason; ``kind`` travels back as data
-    (``{"ok": false, "kind": ..., "error": ...}``): ``refused``, or ``no_run`` for an unknown run."""
-
-    def __init__(self, message, kind="refused"):
-        Exception.__init__(self, message)
-        self.kind = kind
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -53,56 +46,11 @@ def run_dir(spec, run_id=None):
     return os.path.join(workdir(spec), "runs", rid)
 
 
-def boot_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def proc_start(pid):
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
-    try:
-        with open("/proc/%d/stat" % int(pid)) as f:
-            stat = f.read()
-    except (OSError, ValueError, TypeError):
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def alive(st):
-    if st.get("boot_id") and st["boot_id"] != boot_id():
-        return False
-    if not st.get("pid"):  # written by launch, the wrapper has not started yet
+    """Whether the run's wrapper still runs; before it wrote its pid, for 30 s after the launch."""
+    if not st.get("pid"):
         return time.time() - float(st.get("launched_ts") or 0) < 30
-    return proc_start(st["pid"]) == str(st.get("pid_start"))
-
-
-def group_alive(pgid):
-    try:
-        os.killpg(int(pgid), 0)
-        return True
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-
-
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
-def write_json(path, data, mode=0o644):
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    return is_alive(st)
 
 
 def read_status(rdir):
@@ -201,8 +149,6 @@ VLLM_STAGES = ("prepare", "extract", "evaluate")  # the stages that run the targ
 #: free disk under the workdir a stage needs at least, in GiB, when the launch names none (the
 #: inventory's host field ``min_free_gb`` does)
 MIN_FREE_GB = 1.0
-#: where multimodal wrappers keep the language model's config (Kimi-K2.5: text_config)
-TEXT_CONFIG_KEYS = ("text_config", "language_model", "llm_config")
 
 
 def check_model_path(spec, rdir):
@@ -248,16 +194,11 @@ def _read_model_json(folder, name, required, path):
 def _layer_count(config):
     """(number of decoder layers, where it was read) from a config.json dict, through the nested
     text config of a multimodal wrapper (as the stages read it); (None, None) when it has none."""
-    for key in TEXT_CONFIG_KEYS:
-        sub = config.get(key)
-        if isinstance(sub, dict):
-            n, where = _layer_count(sub)
-            if n is not None:
-                return n, "%s.%s" % (key, where)
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        n = config.get(key)
+    key = text_config_key(config)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        n = text_config(config).get(name)
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n, key
+            return n, "%s.%s" % (key, name) if key else name
     return None, None
 
 
@@ -354,15 +295,8 @@ def launch(spec):
     stage_spec.update({"run_id": spec["run_id"], "run_dir": rdir, "code_dir": code_dir, "inputs": inputs,
                        "input_runs": spec.get("inputs") or {}, "attempt": attempt, "workdir": workdir(spec)})
     write_json(os.path.join(rdir, "spec.json"), stage_spec)
-    fd = os.open(os.path.join(rdir, "env.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(spec["env_text"])
-    os.chmod(os.path.join(rdir, "env.tmp"), 0o600)
-    os.replace(os.path.join(rdir, "env.tmp"), os.path.join(rdir, "env"))
-    wrapper = spec["wrapper_text"].replace("@@ATTEMPT@@", str(attempt))
-    fd = os.open(os.path.join(rdir, "wrapper.sh"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
-    with os.fdopen(fd, "w") as f:
-        f.write(wrapper)
+    write_text(os.path.join(rdir, "env"), spec["env_text"], 0o600)
+    write_text(os.path.join(rdir, "wrapper.sh"), spec["wrapper_text"].replace("@@ATTEMPT@@", str(attempt)), 0o700)
     write_json(os.path.join(rdir, "status.json"),
                {"run_id": spec["run_id"], "stage": stage_spec.get("stage"), "attempt": attempt,
                 "spec_hash": spec.get("spec_hash"), "state": "launching", "launched_ts": time.time(),
@@ -392,13 +326,8 @@ def write_service_config(spec):
     config["workdir"] = workdir(spec)
     d = os.path.join(workdir(spec), "service")
     os.makedirs(d, exist_ok=True)
-    for name, text in (("env", svc.get("env_text") or ""), ("config.json", json.dumps(config, indent=1) + "\n")):
-        path = os.path.join(d, name)
-        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(path + ".tmp", 0o600)
-        os.replace(path + ".tmp", path)
+    write_text(os.path.join(d, "env"), svc.get("env_text") or "", 0o600)
+    write_text(os.path.join(d, "config.json"), json.dumps(config, indent=1) + "\n", 0o600)
     return d
 
 
@@ -541,26 +470,20 @@ def stop(spec):
     if st["state"] not in ACTIVE:
         return {"stopped": False, "reason": "run is %s" % st["state"], "status": st}
     open(os.path.join(rdir, "stop-requested"), "w").close()
-    pgid = st.get("stage_pid")
-    if pgid and group_alive(pgid):
-        os.killpg(int(pgid), signal.SIGTERM)
-    if st.get("pid") and alive(st):
+    if st.get("pid") and alive(st):  # the wrapper passes the TERM on to the stage's group, then restores
         try:
             os.kill(int(st["pid"]), signal.SIGTERM)
         except ProcessLookupError:
             pass
-    killed = False
-    deadline = time.time() + float(spec.get("grace", 10))
-    while time.time() < deadline:
+    pgid = [st.get("stage_pid")]
+
+    def wrapper_done():  # the stage's group is gone and the wrapper no longer runs it
         cur = read_json(os.path.join(rdir, "status.json"), {})
-        pgid = cur.get("stage_pid") or pgid
-        if not (pgid and group_alive(pgid)) and cur.get("state") not in ("launching", "starting", "waiting", "running"):
-            break
-        time.sleep(0.05)
-    else:
-        if pgid and group_alive(pgid):
-            os.killpg(int(pgid), signal.SIGKILL)
-            killed = True
+        pgid[0] = cur.get("stage_pid") or pgid[0]
+        return not (pgid[0] and group_alive(pgid[0])) and cur.get("state") not in ("launching", "starting",
+                                                                                  "waiting", "running")
+
+    _, killed = stop_group(pgid[0], float(spec.get("grace", 10)), 0.5, done=wrapper_done)
     deadline = time.time() + float(spec.get("wait_s", 5))
     while time.time() < deadline:  # give the wrapper a moment to record the outcome (hashing the
         cur = read_status(rdir)      # artifacts is quick; restoring a service may take minutes)
@@ -658,16 +581,6 @@ def incoming(spec):
     return {"artifacts": art, "has_rsync": bool(probe.which("rsync"))}
 
 
-def sha256_of(path):
-    import hashlib  # noqa: PLC0415
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def adopt(spec):
     """Make the copy under ``incoming/<run-id>/`` the host's own succeeded run ``runs/<run-id>/``, after
     checking every file against its SHA256SUMS: a run that another host made (a prepare run, an
@@ -680,7 +593,7 @@ def adopt(spec):
     have = read_status(rdir) if os.path.isdir(rdir) else None
     if have and have.get("state") == "succeeded":
         mine = os.path.join(rdir, "artifacts", "SHA256SUMS")
-        if os.path.exists(mine) and os.path.exists(sums_path) and sha256_of(mine) == sha256_of(sums_path):
+        if os.path.exists(mine) and os.path.exists(sums_path) and sha256_file(mine) == sha256_file(sums_path):
             shutil.rmtree(inc, ignore_errors=True)
             return {"adopted": False, "reason": "already here", "status": have}
     if have and have.get("state") in ACTIVE:
@@ -695,7 +608,7 @@ def adopt(spec):
         if not os.path.isfile(p):
             raise Refused("run %s: artifact %s is listed in SHA256SUMS but missing from the copy; push it again"
                           % (spec["run_id"], rel))
-        if sha256_of(p) != sha:
+        if sha256_file(p) != sha:
             raise Refused("run %s: artifact %s does not match SHA256SUMS in the copy; push it again"
                           % (spec["run_id"], rel))
         files, size = files + 1, size + os.path.getsize(p)

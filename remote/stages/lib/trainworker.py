@@ -5,11 +5,11 @@ as one job) every rank runs this module, ``python -m stages.lib.trainworker METR
 rank 0, the only rank whose metrics speculators logs, writes what its tap collected to METRICS_JSON for
 the stage to read: the same metrics.json and loss.png whichever way it trained.
 """
-import json
 import logging
 import os
 import sys
 
+from hostcore import write_json
 from stages.lib.trainlog import MetricsTap
 
 
@@ -58,10 +58,7 @@ def main(argv: list[str]) -> None:
     metrics_path, args = argv[0], argv[1:]
     tap = train_tapped(args)
     if int(os.environ.get("RANK", "0")) == 0:
-        tmp = metrics_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"train": tap.train, "val": tap.val}, f)
-        os.replace(tmp, metrics_path)
+        write_json(metrics_path, {"train": tap.train, "val": tap.val})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from runtime.service import stop_group
+from hostcore import stop_group
 from stages import common
 
 def _free_port() -> int:
