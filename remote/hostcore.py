@@ -65,9 +65,15 @@ def sha256_file(path):
 
 
 def fsync_dir(path):
-    fd = os.open(str(path), os.O_RDONLY)
+    """Make a rename in ``path`` durable; a filesystem that cannot fsync a directory is let be."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 

