@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from harness import generations, pipeline, runner, runs, transfer
-from harness.connection import HostConnection, endpoint_for
+from harness.connection import HostConnection
+from harness.endpoint import endpoint_for
 from harness.envfile import Masker, secret_values
 from harness.errors import HarnessError
 from harness.inventory import ClusterSpec, HostSpec, Inventory

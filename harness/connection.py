@@ -1,7 +1,7 @@
 """Connections to hosts: one verified SSH session (or this machine, for ``transport: local``) per host.
 
 Why not plain ``fabric.Connection().run()``: Fabric auto-adds unknown host keys, and Invoke feeds a
-command's stdin about one byte per 10 ms. So the Fabric Connection here is built with paramiko's
+command's stdin a byte at a time with a sleep after each. So the Fabric Connection here is built with paramiko's
 ``RejectPolicy`` and the inventory's known_hosts / pinned key, and commands are run on a raw paramiko
 channel whose stdin is written in one ``sendall`` — a whole script reaches the host in one round trip.
 
@@ -15,10 +15,7 @@ channel whose stdin is written in one ``sendall`` — a whole script reaches the
 """
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
-import hmac
 import json
 import os
 import select
@@ -28,7 +25,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -36,8 +33,10 @@ import fabric
 import paramiko
 
 from harness import remote_source
+from harness.endpoint import Endpoint, endpoint_for, known_hosts_name
 from harness.errors import HarnessError, HostKeyError, HostUnreachable, RemoteError
-from harness.inventory import HostSpec, Inventory, expand_local, split_host_key
+from harness.hostkeys import RejectAndRemember, fingerprint, host_keys, known_hosts_text
+from harness.inventory import HostSpec, Inventory
 
 CONNECT_TIMEOUT = 10
 KEEPALIVE_SECONDS = 15
@@ -45,7 +44,8 @@ KEEPALIVE_SECONDS = 15
 #: remote/ modules that a shipped module imports: run_script ships them along (one place to say it)
 REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "probe": ("distinfo",),
-    "patchtool": ("patchstate", "probe", "distinfo"),
+    "patchtool": ("patchstate", "diffapply", "filetxn", "probe", "distinfo"),
+    "filetxn": ("patchstate", "probe", "distinfo"),
     "patchstate": ("probe", "distinfo"),
     "apicheck": ("distinfo",),
     "runctl": ("probe", "distinfo"),
@@ -74,7 +74,7 @@ def with_deps(names: Iterable[str]) -> list[str]:
 # main(spec) and prints {"ok": true, "result"} or {"ok": false, "kind", "error"} as JSON on stdout: an
 # exception whose ``kind`` attribute is a string (e.g. runctl's Refused) is a refusal of that kind,
 # SystemExit is a "refused", anything else an "exception" (with its traceback). A module is compiled only when
-# something imports it (compiling is ~0.3 ms per KB of source on a host's CPU): the audit ships the
+# something imports it (compiling costs a host's CPU in proportion to the source): the audit ships the
 # vLLM API check to every host, but a host without vLLM never needs it.
 _BOOTSTRAP = r"""
 import json, sys
@@ -129,174 +129,28 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def fingerprint(key: paramiko.PKey) -> str:
-    """OpenSSH-style ``SHA256:...`` fingerprint of a public key."""
-    digest = hashlib.sha256(key.asbytes()).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def known_hosts_name(address: str, port: int) -> str:
-    return address if port == 22 else f"[{address}]:{port}"
-
-
-class _RejectAndRemember(paramiko.MissingHostKeyPolicy):
-    """Refuse an unknown host key, keeping it so the error (and ``hosts.trust``) can show it."""
-
-    def __init__(self) -> None:
-        self.seen: tuple[str, paramiko.PKey] | None = None
-
-    def missing_host_key(self, client, hostname, key):
-        self.seen = (hostname, key)
-        raise paramiko.SSHException(f"unknown host key for {hostname}")
-
-
-@dataclass
-class Endpoint:
-    """Where and how to reach a host over SSH, after ~/.ssh/config and the inventory are combined."""
-
-    host: HostSpec
-    hostname: str
-    port: int
-    user: str
-    identity: list[str] = field(default_factory=list)
-    known_hosts: list[Path] = field(default_factory=list)
-    pinned: list[str] = field(default_factory=list)  # known_hosts lines built from host_key
-    jump: "Endpoint | None" = None
-    proxy_jump: str | None = None  # from ~/.ssh/config, when the inventory names none
-
-
-def _ssh_config_for(alias: str) -> dict:
-    cfg = paramiko.SSHConfig()
-    path = Path("~/.ssh/config").expanduser()
-    if path.is_file():
-        with open(path) as f:
-            cfg.parse(f)
-    return cfg.lookup(alias)
-
-
-def endpoint_for(host: HostSpec, inv: Inventory | None, _depth: int = 0) -> Endpoint:
-    """Resolve a host's address as ssh would (~/.ssh/config aliases), plus key files and jump host."""
-    if _depth > 4:
-        raise HarnessError(f"host {host.name}: jump host chain too long (a loop in 'jump'?)")
-    base = Path(inv.source).parent if inv and inv.source else None
-    sc = _ssh_config_for(host.address or host.name)
-    hostname = sc.get("hostname", host.address)
-    port = host.port or int(sc.get("port", 22))
-    user = host.user or sc.get("user") or os.environ.get("USER") or "root"
-    identity = [str(expand_local(host.identity, base))] if host.identity else [
-        str(Path(p).expanduser()) for p in sc.get("identityfile", [])]
-    known = [expand_local(host.known_hosts, base)] if host.known_hosts else []
-    for default in sc.get("userknownhostsfile", "~/.ssh/known_hosts").split():
-        p = Path(default).expanduser()
-        if p not in known:
-            known.append(p)
-    pinned = []
-    if host.host_key:
-        ktype, body = split_host_key(host.host_key)
-        pinned.append(f"{known_hosts_name(hostname, port)} {ktype} {body}")
-    ep = Endpoint(host=host, hostname=hostname, port=port, user=user, identity=identity,
-                  known_hosts=known, pinned=pinned)
-    if host.jump:
-        if inv and host.jump in inv.hosts:
-            ep.jump = endpoint_for(inv.hosts[host.jump], inv, _depth + 1)
-        else:
-            user_part, _, rest = host.jump.rpartition("@")
-            jhost, _, jport = rest.partition(":")
-            spec = HostSpec(name=host.jump, address=jhost, port=int(jport) if jport else None,
-                            user=user_part or None, identity=host.identity, known_hosts=host.known_hosts)
-            ep.jump = endpoint_for(spec, inv, _depth + 1)
-    elif sc.get("proxyjump"):
-        ep.proxy_jump = sc["proxyjump"]
-    return ep
-
-
-def _host_keys(ep: Endpoint) -> paramiko.HostKeys:
-    """The recorded keys of this one host (its known_hosts name, as paramiko looks it up), from the
-    known_hosts files and the pinned key.
-
-    Only the lines that name the host are parsed: paramiko's ``HostKeys.load`` parses every key of a
-    file and checks each new name against all entries before it (an HMAC each for hashed names,
-    Debian's default), which on a workstation's ~/.ssh/known_hosts of 300 hashed entries cost 56 ms,
-    of 1500 0.41 s, on every connection."""
-    name = known_hosts_name(ep.hostname, ep.port)
-    keys = paramiko.HostKeys()
-    for p in ep.known_hosts:
-        if not p.is_file():
-            continue
-        try:
-            lines = _lines_naming(p, name)
-        except OSError as e:
-            raise HarnessError(f"host {ep.host.name}: cannot read known_hosts file {p}: {e.strerror or e}")
-        for lineno, line in lines:
-            try:
-                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
-            except (paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as e:
-                raise HarnessError(f"host {ep.host.name}: known_hosts file {p}:{lineno}: the key for {name} "
-                                   f"does not decode ({getattr(e, 'exc', e)}); fix or remove that line")
-            # None: a key type paramiko does not know, which its own load skips; of two lines with keys
-            # of one type, the first counts, as with paramiko's load
-            if entry is not None and entry.key.get_name() not in (keys.lookup(name) or {}):
-                keys.add(name, entry.key.get_name(), entry.key)
-    for line in ep.pinned:
-        entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
-        if entry is None:
-            raise HarnessError(f"host {ep.host.name}: host_key is not a valid public key line")
-        for n in entry.hostnames:
-            keys.add(n, entry.key.get_name(), entry.key)
-    return keys
-
-
-def _lines_naming(path: Path, name: str) -> list[tuple[int, str]]:
-    """(line number, line) of the known_hosts lines whose host field names ``name``, plainly or hashed
-    (``|1|salt|hmac``): the matches paramiko's own lookup makes. Markers (@cert-authority, @revoked)
-    and patterns are not paramiko's, and not matched here either."""
-    out = []
-    with open(path, errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            for h in line.split(None, 1)[0].split(","):
-                if h == name or (h.startswith("|1|") and _hashed_name_is(h, name)):
-                    out.append((lineno, line))
-                    break
-    return out
-
-
-def _hashed_name_is(hashed: str, name: str) -> bool:
-    parts = hashed.split("|")
-    if len(parts) != 4:
-        return False
-    try:
-        salt, digest = base64.b64decode(parts[2]), base64.b64decode(parts[3])
-    except ValueError:
-        return False
-    return hmac.compare_digest(hmac.new(salt, name.encode(), "sha1").digest(), digest)
-
-
 @functools.lru_cache(maxsize=None)
 def _fabric_config() -> "fabric.Config":
-    """One Fabric Config for every connection (each took ~3 ms of invoke's config merging to build);
-    a Connection only reads it."""
+    """One Fabric Config for every connection (building one is invoke's whole config merge); a
+    Connection only reads it."""
     return fabric.Config(overrides={"load_ssh_configs": False})
 
 
-def fabric_connection(ep: Endpoint, timeout: float, gateway: "fabric.Connection | None" = None):
+def fabric_connection(ep: Endpoint, timeout: float):
     """A Fabric Connection for ``ep`` that verifies host keys (Fabric's default auto-adds them).
 
     ~/.ssh/config was already applied by ``endpoint_for``, so Fabric's own ssh_config loading is off.
     Returns ``(connection, policy)``; the policy remembers an unknown key for the error message.
     """
-    cfg = _fabric_config()
     kwargs = {"look_for_keys": not ep.identity, "allow_agent": not ep.identity,
               "banner_timeout": timeout, "auth_timeout": timeout}
     if ep.identity:  # Fabric cannot take key_filename=None
         kwargs["key_filename"] = ep.identity
-    conn = fabric.Connection(ep.hostname, user=ep.user, port=ep.port, config=cfg, gateway=gateway,
+    conn = fabric.Connection(ep.hostname, user=ep.user, port=ep.port, config=_fabric_config(),
                              connect_timeout=timeout, connect_kwargs=kwargs)
-    policy = _RejectAndRemember()
+    policy = RejectAndRemember()
     conn.client.set_missing_host_key_policy(policy)
-    for name, per_type in _host_keys(ep).items():
+    for name, per_type in host_keys(ep).items():
         for ktype, key in per_type.items():
             conn.client.get_host_keys().add(name, ktype, key)
     return conn, policy
@@ -305,13 +159,11 @@ def fabric_connection(ep: Endpoint, timeout: float, gateway: "fabric.Connection 
 class _PromptSocket(socket.socket):
     """A TCP socket that neither holds back our small packets nor delays its ACKs of the host's.
 
-    An SSH exchange is a train of small packets, which is what Nagle's algorithm and delayed ACKs
-    are worst at: paramiko's socket has neither TCP_NODELAY nor quick ACKs, so each key-exchange step
-    and then the first channel opened (sshd sends two small messages after authentication, and holds
-    the channel's confirmation back, by Nagle, until they are acknowledged) waited out the kernel's
-    40 ms delayed-ACK timer: a connection took 76 ms and its first command 44 ms more on loopback,
-    against 40 and ~1 with these options. TCP_QUICKACK is not sticky, so it is set again after each
-    read (Linux only; elsewhere only TCP_NODELAY applies)."""
+    An SSH exchange is a train of small packets, which is what Nagle's algorithm and delayed ACKs are
+    worst at: without TCP_NODELAY and quick ACKs each key-exchange step, and the first channel opened
+    (sshd holds its confirmation back, by Nagle, until two earlier messages are acknowledged), waits
+    out the kernel's delayed-ACK timer. TCP_QUICKACK is not sticky, so it is set again after each read
+    (Linux only; elsewhere only TCP_NODELAY applies)."""
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         data = super().recv(bufsize, flags)
@@ -338,19 +190,29 @@ def prompt_connection(hostname: str, port: int, timeout: float) -> socket.socket
     return sock
 
 
-def _open(ep: Endpoint, timeout: float, gateway=None):
+def reach(ep: Endpoint, timeout: float, via: "fabric.Connection | None" = None):
+    """The one way to a host's SSH port: a tuned TCP socket, or, behind a jump host, a ``direct-tcpip``
+    channel of the jump host's own verified session ``via`` (what OpenSSH's ``-W`` opens for rsync)."""
+    if via is None:
+        return prompt_connection(ep.hostname, ep.port, timeout)
+    try:
+        return via.transport.open_channel("direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=timeout)
+    except paramiko.ChannelException as e:
+        raise HostUnreachable(f"host {ep.host.name}: unreachable through jump host {ep.jump.host.name}: "
+                              f"{ep.hostname}:{ep.port}: {e.text}") from None
+
+
+def _open(ep: Endpoint, timeout: float, via=None):
     """Open ``ep``'s Fabric connection, turning every failure into one line that names the host."""
-    conn, policy = fabric_connection(ep, timeout, gateway)
+    conn, policy = fabric_connection(ep, timeout)
     name = ep.host.name
     try:
-        if gateway is None:  # through a jump host the connection rides that host's channel instead
-            conn.connect_kwargs["sock"] = prompt_connection(ep.hostname, ep.port, timeout)
+        conn.connect_kwargs["sock"] = reach(ep, timeout, via)
         try:
             conn.open()
         except BaseException:
             conn.client.close()
-            if gateway is None:
-                conn.connect_kwargs["sock"].close()
+            conn.connect_kwargs["sock"].close()
             raise
     except paramiko.BadHostKeyException as e:
         raise HostKeyError(
@@ -376,20 +238,25 @@ def _open(ep: Endpoint, timeout: float, gateway=None):
     return conn
 
 
-def _connect_chain(ep: Endpoint, timeout: float):
-    """Open ``ep`` through its jump host (if any); every hop's key is verified. Returns (conn, hops)."""
+def _jump_session(ep: Endpoint, timeout: float):
+    """(the session of ``ep``'s jump host or None, every session opened for it): each hop is reached and
+    verified the same way as the host itself."""
     if ep.proxy_jump and ep.jump is None:
         raise HarnessError(
             f"host {ep.host.name}: ~/.ssh/config gives ProxyJump {ep.proxy_jump}; name it in the inventory's 'jump' field instead")
-    hops: list = []
-    gateway = None
-    if ep.jump is not None:
-        gateway, jhops = _connect_chain(ep.jump, timeout)
-        hops = jhops + [gateway]
+    if ep.jump is None:
+        return None, []
+    via, hops = _connect_chain(ep.jump, timeout)
+    return via, hops + [via]
+
+
+def _connect_chain(ep: Endpoint, timeout: float):
+    """Open ``ep`` through its jump hosts (if any); every hop's key is verified. Returns (conn, hops)."""
+    via, hops = _jump_session(ep, timeout)
     try:
-        return _open(ep, timeout, gateway), hops
+        return _open(ep, timeout, via), hops
     except BaseException:
-        for h in hops:
+        for h in reversed(hops):
             h.close()
         raise
 
@@ -440,7 +307,7 @@ def _pump(chan: paramiko.Channel, stdin: bytes | None,
             raise TimeoutError
         if not got:
             # asleep until either stream has data or the channel's EOF (paramiko's pipe behind
-            # fileno()), not polled: polling every 2 ms cost 28 ms of CPU a second of waiting. After
+            # fileno()), not polled: polling burns CPU for as long as the command runs. After
             # EOF the pipe stays readable while the exit status is on its way: a short nap then
             if select.select([chan], [], [], 0.2)[0] and chan.eof_received:
                 time.sleep(0.001)
@@ -600,50 +467,41 @@ class HostConnection:
     # -- files -------------------------------------------------------------------------------------
     def ssh_argv(self, known_hosts_file: str | None = None) -> list[str]:
         """An OpenSSH command line with this host's settings (for ``rsync -e``): same port, key,
-        user, verified host keys (``StrictHostKeyChecking yes``) and jump host.
+        user, verified host keys (``StrictHostKeyChecking yes``) and jump hosts, reached as ``reach``
+        reaches them: a ``direct-tcpip`` channel (``-W``) of each jump host's own session.
 
         ``known_hosts_file`` receives the known_hosts lines of every hop (pinned keys included) so
         OpenSSH verifies exactly what paramiko verified; callers pass a temp file path.
         """
         if self.host.is_local:
             raise HarnessError(f"host {self.name}: transport local has no ssh command line")
-        ep = self.endpoint or endpoint_for(self.host, self.inv)
-        hops = []
-        e: Endpoint | None = ep
-        while e is not None:
-            hops.append(e)
-            e = e.jump
-        lines = []
-        for hop in hops:
-            for p in hop.known_hosts:
-                if p.is_file():
-                    lines.append(p.read_text())
-            lines.extend(l + "\n" for l in hop.pinned)
         if known_hosts_file is None:
             raise HarnessError("ssh_argv needs a known_hosts_file to write the verified keys to")
-        Path(known_hosts_file).write_text("".join(lines))
+        ep = self.endpoint or endpoint_for(self.host, self.inv)
+        Path(known_hosts_file).write_text(known_hosts_text(ep))
         common = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
                   "-o", f"UserKnownHostsFile={known_hosts_file}", "-o", "GlobalKnownHostsFile=/dev/null",
                   "-o", f"ConnectTimeout={int(self.timeout)}", "-o", f"ServerAliveInterval={KEEPALIVE_SECONDS}",
                   "-F", "/dev/null"]
-        argv = ["ssh", *common]
-        for ident in ep.identity:
-            argv += ["-i", ident, "-o", "IdentitiesOnly=yes"]
-        if ep.jump is not None:
-            # ProxyCommand (rather than -J) so each hop gets its own identity and port.
-            j = ep.jump
-            if j.jump is not None:
-                raise HarnessError(f"host {self.name}: rsync through more than one jump host is not supported; use SFTP")
-            jargv = ["ssh", *common] + [a for i in j.identity for a in ("-i", i)] + [
-                "-p", str(j.port), "-W", "%h:%p", f"{j.user}@{j.hostname}"]
-            argv += ["-o", "ProxyCommand=" + " ".join(shlex.quote(a) for a in jargv)]
-        argv += ["-p", str(ep.port), "-l", ep.user]
-        return argv
+        return _openssh_argv(ep, common)
 
     @property
     def ssh_target(self) -> str:
         ep = self.endpoint or endpoint_for(self.host, self.inv)
         return ep.hostname
+
+
+def _openssh_argv(ep: Endpoint, common: list[str]) -> list[str]:
+    """``ssh`` options reaching ``ep`` (the destination left to the caller): each jump host by a
+    ProxyCommand of its own (its identity and port), nested for a chain. A ``%`` of an inner
+    command is doubled, so that only this level's ``-W %h:%p`` is expanded here."""
+    argv = ["ssh", *common]
+    for ident in ep.identity:
+        argv += ["-i", ident, "-o", "IdentitiesOnly=yes"]
+    if ep.jump is not None:
+        inner = " ".join(shlex.quote(a) for a in _openssh_argv(ep.jump, common)).replace("%", "%%")
+        argv += ["-o", f"ProxyCommand={inner} -W %h:%p {shlex.quote(ep.jump.hostname)}"]
+    return argv + ["-p", str(ep.port), "-l", ep.user]
 
 
 def open_host(host: HostSpec, inv: Inventory | None = None, timeout: float = CONNECT_TIMEOUT) -> HostConnection:
@@ -657,21 +515,15 @@ def scan_host_key(host: HostSpec, inv: Inventory | None = None, timeout: float =
     Returns ``(known_hosts_name, key, status)`` with status ``known``, ``unknown`` or ``changed``.
     """
     ep = endpoint_for(host, inv)
-    hops: list = []
-    sock = None
-    if ep.jump is not None:
-        jconn, jhops = _connect_chain(ep.jump, timeout)
-        hops = jhops + [jconn]
-        sock = jconn.transport.open_channel("direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0))
+    via, hops = _jump_session(ep, timeout)
     try:
-        if sock is None:
-            try:
-                sock = prompt_connection(ep.hostname, ep.port, timeout)
-            except OSError as e:
-                raise HostUnreachable(f"host {host.name}: unreachable: {ep.hostname}:{ep.port}: {e.strerror or e}")
+        try:
+            sock = reach(ep, timeout, via)
+        except OSError as e:
+            raise HostUnreachable(f"host {host.name}: unreachable: {ep.hostname}:{ep.port}: {e.strerror or e}")
         t = paramiko.Transport(sock)
         try:
-            known = _host_keys(ep)
+            known = host_keys(ep)
             name = known_hosts_name(ep.hostname, ep.port)
             recorded = known.lookup(name) or {}
             if recorded:
@@ -690,5 +542,5 @@ def scan_host_key(host: HostSpec, inv: Inventory | None = None, timeout: float =
             status = "changed" if recorded else "unknown"
         return name, key, status
     finally:
-        for h in hops:
+        for h in reversed(hops):
             h.close()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.connection import endpoint_for, fingerprint, scan_host_key
+from harness.connection import scan_host_key
+from harness.endpoint import endpoint_for
+from harness.hostkeys import fingerprint
 from harness.errors import HostKeyError
 from harness.inventory import HostSpec, Inventory, expand_local
 
