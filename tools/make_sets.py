@@ -15,6 +15,23 @@ SEED = 135
 
 COUNTS = {"code": 400, "math": 300, "writing": 250, "extraction": 200, "multilingual": 200, "multiturn": 150}
 
+# The subject lists, code samples, passages and phrases the templates below draw from: data, kept in
+# make_sets.json beside this script (a module-level name each, as the templates read them).
+globals().update(json.loads((Path(__file__).resolve().parent / "make_sets.json").read_text(encoding="utf-8")))
+
+
+def filler(spec):
+    """A template of ``FILLS``: one of its ``templates`` (drawn when there are several), each field drawn
+    from the list it names, in order (so the draws match the seed's sequence)."""
+    def fill(rng):
+        tpl = spec["templates"][0] if len(spec["templates"]) == 1 else rng.choice(spec["templates"])
+        return tpl.format(**{k: rng.choice(globals()[v]) for k, v in spec["fields"].items()})
+    return fill
+
+
+# the templates that only fill fields: ``FILLS`` (make_sets.json), a name each, as the lists below read them
+globals().update({name: filler(spec) for name, spec in FILLS.items()})
+
 
 def fence(lang: str, code: str) -> str:
     return f"```{lang}\n{code.strip(chr(10))}\n```"
@@ -28,786 +45,11 @@ def num(x: float) -> str:
     return str(int(round(x))) if abs(x - round(x)) < 1e-9 else f"{x:g}"
 
 
-NAMES = ["Ava", "Liam", "Sofia", "Noah", "Maya", "Omar", "Priya", "Chen", "Lucas", "Amara", "Diego", "Hana",
-         "Jonas", "Fatima", "Mateo", "Zoe", "Ravi", "Elena", "Kofi", "Yuki", "Sam", "Nina", "Tom", "Leila",
-         "Grace", "Marco", "Aisha", "Ben", "Ingrid", "Tariq"]
-CURRENCIES = ["$", "$", "$", "€", "£"]
-
 # ----------------------------------------------------------------------------------------------- code
-LANG_NAMES = {"python": "Python", "javascript": "JavaScript", "sql": "SQL", "bash": "Bash", "c": "C",
-              "rust": "Rust", "go": "Go"}
-
-PY_TASKS = [
-    "returns the n-th Fibonacci number", "checks whether a string is a palindrome, ignoring case and punctuation",
-    "flattens a nested list of any depth", "merges two sorted lists into one sorted list",
-    "counts how often each word appears in a text", "removes duplicates from a list while keeping the original order",
-    "takes a date string like '2024-03-15' and returns the weekday name", "splits a list into chunks of size n",
-    "computes a moving average over a window of k values", "finds the longest common prefix of a list of strings",
-    "validates an IPv4 address", "converts a Roman numeral to an integer", "converts an integer to a Roman numeral",
-    "rotates a square matrix 90 degrees clockwise", "returns all prime numbers below n",
-    "groups a list of dictionaries by the value of a given key", "deep-merges two nested dictionaries",
-    "computes the Levenshtein distance between two strings", "returns the k most common elements of a list",
-    "transposes a list of lists", "checks whether two strings are anagrams of each other",
-    "converts snake_case names to camelCase", "finds the second largest number in a list",
-    "performs binary search on a sorted list and returns the index or -1",
-    "formats a number of seconds as HH:MM:SS", "turns a blog post title into a URL slug",
-    "returns the median of a list of numbers", "checks whether the brackets in a string are balanced",
-    "compresses a string with run-length encoding, so 'aaabcc' becomes 'a3b1c2'",
-    "finds all pairs of numbers in a list that add up to a target", "retries another function up to n times if it raises",
-    "reads a CSV file and returns the sum of one named column", "finds the most frequent character in a string",
-    "truncates a string to n characters and adds '...' if it was cut",
-    "checks whether a year is a leap year", "sorts a list of (name, score) tuples by score, highest first",
-    "returns the digits of a non-negative integer as a list", "builds a histogram dictionary from a list of numbers using buckets of width w",
-    "generates a random password with letters, digits and symbols", "calculates the total price of a shopping cart given as a list of dicts",
-    "converts a list of Celsius temperatures to Fahrenheit", "returns the intersection of two lists without duplicates",
-    "validates that a password has at least 8 characters, one digit and one uppercase letter",
-    "counts the vowels and consonants in a sentence", "computes compound interest for a principal, rate and number of years",
-    "finds the missing number in a list containing 1 to n with one number missing",
-    "parses a query string like 'a=1&b=2' into a dictionary", "capitalizes the first letter of every sentence in a paragraph",
-    "returns the factorial of n iteratively", "checks whether a number is a power of two",
-    "merges overlapping intervals in a list of (start, end) pairs", "finds the longest word in a sentence",
-]
-PY_CONSTRAINTS = [
-    "Don't use any imports.", "Make sure it works for empty input.", "Raise a ValueError for invalid input.",
-    "Add type hints.", "Explain your approach after the code.", "Keep it under 15 lines.",
-    "Use only the standard library.", "Write it so a beginner can follow it.", "Include a few doctest examples.",
-]
-JS_TASKS = [
-    "debounces another function by a given delay", "fetches JSON from a URL and returns it, with error handling",
-    "deep clones a plain object", "capitalizes every word in a string", "groups an array of objects by a property",
-    "throttles a function so it runs at most once per interval", "returns the unique values of an array",
-    "sums an array of numbers using reduce", "formats a Date as YYYY-MM-DD",
-    "parses a URL query string into an object", "shuffles an array in place",
-    "checks whether an object is empty", "counts the occurrences of each item in an array",
-    "converts an array of key/value pairs into an object", "waits for a given number of milliseconds using a Promise",
-    "validates a form field containing an email address",
-]
-SYS_TASKS = [
-    "reads a text file and prints the number of lines, words and characters",
-    "reverses a string", "computes the factorial of a number given on the command line",
-    "finds the largest and smallest values in an array of integers", "implements a simple stack",
-    "reads integers from standard input until EOF and prints their sum",
-    "parses a string to an integer and handles the error when it is not a number",
-    "counts how many times each word occurs in a file", "checks whether a number is prime",
-    "swaps two values using a helper function", "prints the multiplication table from 1 to 10",
-    "converts a temperature from Celsius to Fahrenheit", "sorts an array of strings alphabetically",
-    "removes all whitespace from a string",
-]
-SCRIPT_TASKS = [
-    "reads a CSV of expenses and prints the total per category", "finds duplicate files in a folder by comparing hashes",
-    "counts word frequencies in a text file and prints the top 20", "renames all photos in a folder by adding a date prefix",
-    "merges several CSV files that share the same header into one file", "splits a big log file into files of 10,000 lines each",
-    "pings a list of hosts from a file and reports which ones are down", "prints a calendar for the current month",
-    "converts a JSON file of users into a CSV file", "deletes empty folders inside a directory tree",
-    "checks a list of URLs and prints their HTTP status codes", "asks the user for numbers and prints their average",
-]
-HOWTOS = [
-    "read a JSON file", "sort a list of records by one field", "make an HTTP GET request",
-    "parse command-line arguments", "handle a file that doesn't exist", "measure how long some code takes to run",
-    "run two tasks at the same time", "format a float with two decimal places", "iterate over a map or dictionary",
-    "write rows to a CSV file", "read an environment variable", "generate a random number in a range",
-    "split a string on several delimiters", "remove duplicates from an array", "get the current date and time",
-    "check if a string contains a substring",
-]
-HOWTO_LANGS = ["Python", "Python", "Python", "JavaScript", "Go", "Rust", "C", "Bash"]
-
-BUGGY = [
-    ("python", "returns the wrong average", """
-def average(nums):
-    total = 0
-    for n in nums:
-        total += n
-    return total / len(nums) - 1
-"""),
-    ("python", "keeps growing the list between calls", """
-def add_item(item, items=[]):
-    items.append(item)
-    return items
-"""),
-    ("python", "raises a KeyError", """
-def count_words(text):
-    counts = {}
-    for word in text.split():
-        counts[word] += 1
-    return counts
-"""),
-    ("python", "gives a SyntaxError", """
-def is_even(n):
-    if n % 2 = 0:
-        return True
-    return False
-"""),
-    ("python", "skips some empty strings", """
-items = ["a", "", "", "b", ""]
-for item in items:
-    if item == "":
-        items.remove(item)
-print(items)
-"""),
-    ("python", "never finishes and crashes with a RecursionError", """
-def factorial(n):
-    if n == 0:
-        return 1
-    return n * factorial(n)
-"""),
-    ("python", "raises a TypeError", """
-total = "0"
-for price in [3.5, 2.25, 4]:
-    total += price
-print(total)
-"""),
-    ("python", "hangs forever for some inputs", """
-def find(xs, target):
-    lo, hi = 0, len(xs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if xs[mid] < target:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-"""),
-    ("python", "never stops at the END line", """
-with open("data.txt") as f:
-    for line in f:
-        if line == "END":
-            break
-        print(line)
-"""),
-    ("python", "changes my original dictionary", """
-def with_defaults(settings):
-    result = settings
-    result.setdefault("debug", False)
-    result.setdefault("retries", 3)
-    return result
-"""),
-    ("python", "parses the dates wrongly", """
-from datetime import datetime
-
-def parse(date_str):
-    # date_str looks like "2024-03-15"
-    return datetime.strptime(date_str, "%Y-%d-%m")
-"""),
-    ("python", "always prints 'adult' even for children", """
-age = input("Your age: ")
-if age >= "18":
-    print("adult")
-else:
-    print("child")
-"""),
-    ("javascript", "prints 3 three times instead of 0, 1, 2", """
-for (var i = 0; i < 3; i++) {
-  setTimeout(() => console.log(i), 100);
-}
-"""),
-    ("javascript", "returns NaN", """
-function sum(arr) {
-  let total;
-  arr.forEach(x => total += x);
-  return total;
-}
-"""),
-    ("javascript", "sorts the numbers in the wrong order", """
-const scores = [10, 1, 25, 3];
-scores.sort();
-console.log(scores);
-"""),
-    ("javascript", "logs undefined instead of the user", """
-function getUser(id) {
-  fetch(`/api/users/${id}`)
-    .then(res => res.json())
-    .then(data => { return data; });
-}
-console.log(getUser(1));
-"""),
-    ("sql", "fails with an error about aggregate functions", """
-SELECT department, AVG(salary)
-FROM employees
-WHERE AVG(salary) > 50000
-GROUP BY department;
-"""),
-    ("sql", "returns no rows for customers without a phone number", """
-SELECT name FROM customers WHERE phone = NULL;
-"""),
-    ("c", "prints a garbage sum", """
-int sum(int *a, int n) {
-    int s;
-    for (int i = 0; i <= n; i++)
-        s += a[i];
-    return s;
-}
-"""),
-    ("c", "crashes with a segmentation fault", """
-#include <string.h>
-int main(void) {
-    char *name;
-    strcpy(name, "Alice");
-    return 0;
-}
-"""),
-    ("go", "panics with 'assignment to entry in nil map'", """
-func main() {
-    var counts map[string]int
-    counts["apples"] = 3
-    fmt.Println(counts)
-}
-"""),
-    ("rust", "doesn't compile: borrow of moved value", """
-fn main() {
-    let names = vec![String::from("a"), String::from("b")];
-    let copy = names;
-    println!("{:?}", names);
-}
-"""),
-    ("bash", "breaks on file names with spaces", """
-for f in $(ls *.txt); do
-  mv $f ${f%.txt}.md
-done
-"""),
-]
-
-WORKING = [
-    ("python", """
-def word_lengths(sentence):
-    return {w: len(w) for w in sentence.split()}
-"""),
-    ("python", """
-def clamp(value, low, high):
-    return max(low, min(value, high))
-"""),
-    ("python", """
-def parse_price(text):
-    text = text.strip().replace("$", "").replace(",", "")
-    return round(float(text), 2)
-"""),
-    ("python", """
-def chunk(items, size):
-    return [items[i:i + size] for i in range(0, len(items), size)]
-"""),
-    ("python", """
-def initials(full_name):
-    return "".join(part[0].upper() for part in full_name.split() if part)
-"""),
-    ("python", """
-def safe_divide(a, b, default=None):
-    try:
-        return a / b
-    except ZeroDivisionError:
-        return default
-"""),
-    ("python", """
-def top_scores(scores, n=3):
-    return sorted(scores.items(), key=lambda kv: kv[1], reverse=True)[:n]
-"""),
-    ("python", """
-def is_valid_username(name):
-    return 3 <= len(name) <= 16 and name.isalnum() and not name[0].isdigit()
-"""),
-    ("python", """
-def count_lines(path):
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
-"""),
-    ("python", """
-def merge_counts(a, b):
-    result = dict(a)
-    for key, value in b.items():
-        result[key] = result.get(key, 0) + value
-    return result
-"""),
-    ("python", """
-def find_first(items, predicate):
-    for item in items:
-        if predicate(item):
-            return item
-    return None
-"""),
-    ("python", """
-def normalize_email(email):
-    local, _, domain = email.strip().partition("@")
-    return f"{local.lower()}@{domain.lower()}"
-"""),
-    ("python", """
-def running_total(numbers):
-    total = 0
-    result = []
-    for n in numbers:
-        total += n
-        result.append(total)
-    return result
-"""),
-    ("python", """
-def days_between(start, end):
-    from datetime import date
-    a = date.fromisoformat(start)
-    b = date.fromisoformat(end)
-    return abs((b - a).days)
-"""),
-]
-
-EXPLAIN = [
-    ("python", 'print([x for x in range(20) if x % 3 == 0])'),
-    ("python", """
-from collections import Counter
-
-words = open("book.txt").read().lower().split()
-for word, n in Counter(words).most_common(5):
-    print(word, n)
-"""),
-    ("python", """
-import time
-
-def timed(fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        print(f"{fn.__name__} took {time.perf_counter() - start:.3f}s")
-        return result
-    return wrapper
-"""),
-    ("python", 'people.sort(key=lambda p: (p["age"], p["name"]))'),
-    ("python", 'lookup = dict(zip(keys, values))'),
-    ("python", """
-def fib():
-    a, b = 0, 1
-    while True:
-        yield a
-        a, b = b, a + b
-"""),
-    ("python", """
-from functools import lru_cache
-
-@lru_cache(maxsize=None)
-def ways(n):
-    if n <= 1:
-        return 1
-    return ways(n - 1) + ways(n - 2)
-"""),
-    ("python", """
-from dataclasses import dataclass, field
-
-@dataclass
-class Order:
-    id: int
-    items: list = field(default_factory=list)
-    paid: bool = False
-"""),
-    ("python", 'has_digit = any(c.isdigit() for c in password)'),
-    ("python", """
-if __name__ == "__main__":
-    main()
-"""),
-    ("javascript", 'const evens = nums.filter(n => n % 2 === 0).map(n => n * n);'),
-    ("javascript", """
-async function load(url) {
-  const res = await fetch(url);
-  if (!res.ok) throw new Error(res.status);
-  return res.json();
-}
-"""),
-    ("javascript", 'const { name, age = 30, ...rest } = user;'),
-    ("sql", """
-SELECT c.name, COUNT(o.id) AS orders
-FROM customers c
-LEFT JOIN orders o ON o.customer_id = c.id
-GROUP BY c.name
-HAVING COUNT(o.id) > 5
-ORDER BY orders DESC;
-"""),
-    ("bash", 'grep -rn "TODO" --include="*.py" . | wc -l'),
-    ("bash", 'find . -name "*.tmp" -mtime +7 -delete'),
-    ("bash", 'tail -f app.log | grep --line-buffered ERROR'),
-    ("c", """
-void swap(int *a, int *b) {
-    int tmp = *a;
-    *a = *b;
-    *b = tmp;
-}
-"""),
-    ("rust", """
-fn first_word(s: &str) -> Option<&str> {
-    s.split_whitespace().next()
-}
-
-match first_word("hello world") {
-    Some(w) => println!("{}", w),
-    None => println!("empty"),
-}
-"""),
-    ("go", """
-var wg sync.WaitGroup
-for _, url := range urls {
-    wg.Add(1)
-    go func(u string) {
-        defer wg.Done()
-        fetch(u)
-    }(url)
-}
-wg.Wait()
-"""),
-]
-
-LOOPS = [
-    """
-squares = []
-for n in range(10):
-    squares.append(n * n)
-""",
-    """
-evens = []
-for x in numbers:
-    if x % 2 == 0:
-        evens.append(x)
-""",
-    """
-lengths = {}
-for word in words:
-    lengths[word] = len(word)
-""",
-    """
-upper_names = []
-for name in names:
-    upper_names.append(name.strip().upper())
-""",
-    """
-pairs = []
-for a in range(3):
-    for b in range(3):
-        if a != b:
-            pairs.append((a, b))
-""",
-    """
-flat = []
-for row in matrix:
-    for value in row:
-        flat.append(value)
-""",
-    """
-domains = set()
-for email in emails:
-    domains.add(email.split("@")[1])
-""",
-    """
-labels = []
-for score in scores:
-    if score >= 50:
-        labels.append("pass")
-    else:
-        labels.append("fail")
-""",
-    """
-with_tax = {}
-for item, price in prices.items():
-    with_tax[item] = round(price * 1.2, 2)
-""",
-    """
-total = 0
-for order in orders:
-    if order["status"] == "paid":
-        total += order["amount"]
-""",
-    """
-adults = []
-for person in people:
-    if person["age"] >= 18:
-        adults.append(person["name"])
-""",
-    """
-first_letters = []
-for word in sentence.split():
-    if word.isalpha():
-        first_letters.append(word[0])
-""",
-]
-
-MESSY = [
-    ("python", """
-def process(d):
-    r = []
-    for k in d.keys():
-        if d[k] != None:
-            if d[k] > 0:
-                if k.startswith("item_"):
-                    r.append(k)
-    return r
-"""),
-    ("python", """
-def grade(score):
-    if score >= 90:
-        return "A"
-    else:
-        if score >= 80:
-            return "B"
-        else:
-            if score >= 70:
-                return "C"
-            else:
-                return "F"
-"""),
-    ("python", """
-def get_total(cart):
-    total = 0
-    for i in range(0, len(cart)):
-        item = cart[i]
-        total = total + item["price"] * item["qty"]
-    if total > 100:
-        total = total - total * 0.1
-    return total
-"""),
-    ("python", """
-data = open("users.csv").read().split("\\n")
-names = []
-for line in data:
-    if line != "":
-        parts = line.split(",")
-        if parts[2] == "active":
-            names.append(parts[0] + " " + parts[1])
-print(names)
-"""),
-    ("javascript", """
-function check(u) {
-  if (u !== null && u !== undefined) {
-    if (u.age !== null && u.age !== undefined) {
-      if (u.age >= 18) { return true; } else { return false; }
-    } else { return false; }
-  } else { return false; }
-}
-"""),
-    ("python", """
-def f(l):
-    x = 0
-    y = 0
-    for i in l:
-        x = x + i
-        y = y + 1
-    if y == 0:
-        return 0
-    return x / y
-"""),
-    ("python", """
-def send(kind, msg):
-    if kind == "email":
-        print("Sending email: " + msg)
-    elif kind == "sms":
-        print("Sending SMS: " + msg)
-    elif kind == "push":
-        print("Sending push notification: " + msg)
-    else:
-        print("Unknown kind")
-"""),
-    ("python", """
-result = ""
-for word in words:
-    result = result + word + ","
-result = result[:-1]
-"""),
-    ("go", """
-func max(nums []int) int {
-    m := -999999
-    for i := 0; i < len(nums); i++ {
-        if nums[i] > m {
-            m = nums[i]
-        }
-    }
-    return m
-}
-"""),
-]
-
-COMPLEXITY = [
-    """
-def has_duplicates(xs):
-    for i in range(len(xs)):
-        for j in range(i + 1, len(xs)):
-            if xs[i] == xs[j]:
-                return True
-    return False
-""",
-    """
-def has_duplicates(xs):
-    return len(set(xs)) != len(xs)
-""",
-    """
-def power(x, n):
-    if n == 0:
-        return 1
-    half = power(x, n // 2)
-    return half * half if n % 2 == 0 else half * half * x
-""",
-    """
-def count_pairs(nums, target):
-    seen = {}
-    count = 0
-    for n in nums:
-        count += seen.get(target - n, 0)
-        seen[n] = seen.get(n, 0) + 1
-    return count
-""",
-    """
-def fib(n):
-    if n < 2:
-        return n
-    return fib(n - 1) + fib(n - 2)
-""",
-    """
-def matmul(a, b):
-    n = len(a)
-    c = [[0] * n for _ in range(n)]
-    for i in range(n):
-        for j in range(n):
-            for k in range(n):
-                c[i][j] += a[i][k] * b[k][j]
-    return c
-""",
-    """
-def subsets(items):
-    if not items:
-        return [[]]
-    rest = subsets(items[1:])
-    return rest + [[items[0]] + s for s in rest]
-""",
-    """
-def remove_all(xs, value):
-    while value in xs:
-        xs.remove(value)
-""",
-    """
-def digit_sum(n):
-    total = 0
-    while n > 0:
-        total += n % 10
-        n //= 10
-    return total
-""",
-    """
-def common(a, b):
-    return [x for x in a if x in b]
-""",
-]
-ALGORITHMS = [
-    "binary search on a sorted array", "bubble sort", "merge sort", "looking up a key in a Python dict",
-    "inserting at the front of a Python list", "breadth-first search on a graph with V vertices and E edges",
-    "the naive recursive Fibonacci function", "checking membership in a list versus a set", "pushing onto a binary heap",
-    "quicksort in the worst case", "building a prefix-sum array", "Dijkstra's algorithm with a binary heap",
-    "generating all permutations of n items", "building a string by concatenation inside a loop",
-    "finding the k largest items with heapq.nlargest",
-]
-
-SQL_TABLES = [
-    ("orders(id, customer_id, amount, status, created_at)", [
-        "returns the total amount of paid orders per month in 2024",
-        "finds the 5 customers who spent the most", "counts orders by status",
-        "lists orders over 500 placed in the last 30 days", "computes the average order value per customer"]),
-    ("employees(id, name, department, salary, manager_id, hired_on)", [
-        "finds the highest-paid employee in each department", "lists employees hired in the last year",
-        "shows each employee's name next to their manager's name", "counts employees per department, largest first",
-        "finds employees who earn more than their department's average"]),
-    ("products(id, name, category, price, stock)", [
-        "lists products that are out of stock", "shows the cheapest product in each category",
-        "computes the total stock value per category", "finds categories with more than 10 products",
-        "raises the price of every product in the 'garden' category by 5%"]),
-    ("students(id, name, class), grades(student_id, subject, score)", [
-        "returns each student's average score", "finds students who failed at least one subject (score below 50)",
-        "ranks students by average score within each class", "lists the top scorer in each subject"]),
-    ("page_views(user_id, url, viewed_at)", [
-        "counts daily active users for the last 7 days", "finds the 10 most visited URLs this week",
-        "finds users who visited the pricing page but never the signup page", "computes the number of views per hour of the day"]),
-    ("rentals(id, bike_id, station_from, station_to, started_at, ended_at)", [
-        "finds the average ride duration in minutes", "lists the 3 busiest start stations",
-        "counts rides that ended at the same station they started from", "finds bikes that were not rented in March"]),
-    ("tickets(id, customer, priority, opened_at, closed_at, agent)", [
-        "computes the median time to close a ticket per priority", "lists open tickets older than 3 days",
-        "shows how many tickets each agent closed last week"]),
-]
-SQL_JOINS = [
-    ("customers(id, name, country)", "orders(id, customer_id, amount, created_at)",
-     ["list customers who never placed an order", "show total spending per country",
-      "find each customer's most recent order date"]),
-    ("authors(id, name)", "books(id, title, author_id, published_year)",
-     ["list authors with more than 3 books", "show the newest book of each author"]),
-    ("users(id, email, signup_date)", "logins(user_id, logged_in_at)",
-     ["find users who signed up but never logged in", "count logins per user in the last month"]),
-    ("movies(id, title, genre)", "ratings(movie_id, user_id, stars)",
-     ["find the best-rated movie in each genre with at least 20 ratings", "list movies with no ratings"]),
-]
-REGEX_TARGETS = [
-    "US phone numbers like (555) 123-4567", "dates in DD/MM/YYYY format", "hex color codes like #1a2b3c or #fff",
-    "valid Python identifiers", "UK postcodes", "simple email addresses", "times in 24-hour HH:MM format",
-    "IPv4 addresses", "words that start with a capital letter", "numbers with optional thousands separators and decimals",
-    "semantic version strings like 1.4.2", "URLs that start with http or https", "hashtags in a tweet",
-    "a word repeated twice in a row, like 'the the'", "lines that contain only whitespace",
-    "prices like $4.99 or $1,200", "ISO 8601 timestamps",
-]
-SHELL_TASKS = [
-    "finds all .log files larger than 10 MB", "renames every .jpeg file in a folder to .jpg",
-    "counts the lines in all Python files in a project", "backs up a directory into a tar.gz named with today's date",
-    "prints the 10 most frequent IP addresses in an nginx access log", "deletes files older than 30 days in a cache folder",
-    "checks whether a website returns HTTP 200", "prints the second column of a CSV file",
-    "shows which process is listening on port 8080", "replaces 'foo' with 'bar' in every .txt file",
-    "shows the disk usage of each subfolder, sorted by size", "downloads a list of URLs from a file",
-    "kills a process by its name after asking for confirmation", "monitors a log file and prints lines containing ERROR",
-]
-CONCEPTS = [
-    ("Python", "a list", "a tuple"), ("Python", "`==`", "`is`"), ("JavaScript", "`let`", "`var`"),
-    ("JavaScript", "`==`", "`===`"), ("SQL", "WHERE", "HAVING"), ("SQL", "INNER JOIN", "LEFT JOIN"),
-    ("Python", "a generator", "a list"), ("Python", "`copy.copy`", "`copy.deepcopy`"), ("Rust", "`String`", "`&str`"),
-    ("Go", "a slice", "an array"), ("C", "`malloc`", "`calloc`"), ("Python", "`@staticmethod`", "`@classmethod`"),
-    ("Bash", "`>`", "`>>`"), ("Git", "merge", "rebase"), ("Python", "threads", "processes"),
-    ("JavaScript", "`null`", "`undefined`"), ("Python", "`append`", "`extend`"), ("C", "the stack", "the heap"),
-]
-ERRORS = [
-    "TypeError: 'NoneType' object is not subscriptable", "IndentationError: unexpected indent",
-    "ModuleNotFoundError: No module named 'requests'",
-    "UnboundLocalError: cannot access local variable 'count' where it is not associated with a value",
-    "Uncaught TypeError: Cannot read properties of undefined (reading 'map')",
-    "error[E0502]: cannot borrow `v` as mutable because it is also borrowed as immutable",
-    "Segmentation fault (core dumped)", "fatal error: all goroutines are asleep - deadlock!",
-    'ERROR:  column "total" does not exist', "bash: ./deploy.sh: Permission denied",
-    "RecursionError: maximum recursion depth exceeded in comparison",
-    "ValueError: invalid literal for int() with base 10: '3.5'", "KeyError: 'email'",
-    "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)",
-    "ZeroDivisionError: division by zero", "AttributeError: 'str' object has no attribute 'append'",
-]
-CLASSES = [
-    "a bank account with deposit, withdraw and balance, refusing overdrafts",
-    "a to-do list with add, complete and list_pending methods", "a stack with push, pop, peek and is_empty",
-    "an LRU cache with a fixed capacity", "a rectangle with area, perimeter and an is_square method",
-    "a temperature that stores Celsius and exposes a fahrenheit property",
-    "a shopping cart that adds items with quantities and computes the total with an optional discount code",
-    "an inventory that tracks stock and warns when an item runs low", "a rate limiter that allows n calls per second",
-    "a simple event emitter with on, off and emit", "a 2D vector with addition, scaling and length",
-    "a timer context manager that prints the elapsed time",
-]
-QUICK = [
-    "python reverse a string", "how to read a file line by line in python", "js check if array is empty",
-    "sql count distinct values", "bash loop over files in a directory", "python get today's date as a string",
-    "git undo last commit but keep changes", "python check if key exists in dict", "create a python virtual environment",
-    "javascript sort array of objects by property", "python sort dictionary by value", "rust read line from stdin",
-    "go convert string to int", "python merge two dicts", "pandas drop rows with missing values",
-    "python list files in a folder", "python remove whitespace from string", "sql select first 5 rows",
-    "docker remove all stopped containers", "python round to 2 decimals", "python pad number with zeros",
-    "regex match only digits", "python convert list to string", "js string to number",
-]
-
-
-def c_py_function(rng):
-    return rng.choice([
-        "Write a Python function that {t}.", "Can you write a Python function that {t}?",
-        "I need a small Python helper that {t}. Keep it simple and readable.",
-        "Implement a function in Python that {t}, and show two example calls with their output.",
-        "python function that {t}",
-    ]).format(t=rng.choice(PY_TASKS))
 
 
 def c_py_constrained(rng):
     return f"Write a Python function that {rng.choice(PY_TASKS)}. {rng.choice(PY_CONSTRAINTS)}"
-
-
-def c_js_function(rng):
-    return rng.choice([
-        "Write a JavaScript function that {t}.", "Write a TypeScript function that {t}, with proper types.",
-        "How would you write a JS function that {t}?", "In modern JavaScript (ES6+), write a function that {t}.",
-    ]).format(t=rng.choice(JS_TASKS))
 
 
 def c_systems(rng):
@@ -816,20 +58,6 @@ def c_systems(rng):
         "Write a {l} program that {t}.", "In {l}, write code that {t}, with comments explaining each step.",
         "Show me a {l} function that {t}.",
     ]).format(l=lang, t=rng.choice(SYS_TASKS))
-
-
-def c_script(rng):
-    return rng.choice([
-        "Write a Python script that {t}.", "Write a small command-line tool in Python that {t}. Use argparse.",
-        "Can you give me a Python script that {t}? I'll run it from the terminal.",
-    ]).format(t=rng.choice(SCRIPT_TASKS))
-
-
-def c_howto(rng):
-    return rng.choice([
-        "How do I {h} in {l}? Show a short example.", "What's the idiomatic way to {h} in {l}?",
-        "In {l}, how can I {h}?",
-    ]).format(h=rng.choice(HOWTOS), l=rng.choice(HOWTO_LANGS))
 
 
 def c_fix_symptom(rng):
@@ -872,11 +100,6 @@ def c_tests_snippet(rng):
                        "{c}\n\nWhat test cases would you write for this? Give them as pytest functions."]).format(c=fence(lang, code))
 
 
-def c_tests_desc(rng):
-    return rng.choice(["Write pytest tests for a function that {t}. Cover the edge cases.",
-                       "What edge cases should I test for a function that {t}?"]).format(t=rng.choice(PY_TASKS))
-
-
 def c_comprehension(rng):
     code = fence("python", rng.choice(LOOPS))
     return rng.choice(["Convert this loop to a comprehension:\n\n{c}", "Can this be written as a one-liner?\n\n{c}",
@@ -897,28 +120,11 @@ def c_sql_join(rng):
     return f"I have two tables: {t1} and {t2}. Write a SQL query to {rng.choice(questions)}."
 
 
-def c_regex(rng):
-    return rng.choice(["Write a regular expression that matches {r}.", "Regex for {r}?",
-                       "I need a regex to validate {r}. Please explain each part of the pattern."]
-                      ).format(r=rng.choice(REGEX_TARGETS))
-
-
-def c_regex_python(rng):
-    return rng.choice(["In Python, how can I use the re module to find all {r} in a string? Give an example.",
-                       "Write a JavaScript snippet that extracts all {r} from a text using a regex."]
-                      ).format(r=rng.choice(REGEX_TARGETS))
-
-
 def c_complexity_snippet(rng):
     code = fence("python", rng.choice(COMPLEXITY))
     return rng.choice(["What is the time complexity of this function?\n\n{c}",
                        "What's the big-O time and space complexity here? Explain briefly.\n\n{c}",
                        "{c}\n\nCan this be made faster? What is its complexity now?"]).format(c=code)
-
-
-def c_complexity_algo(rng):
-    return rng.choice(["What is the time complexity of {a}?", "Explain the big-O time and space complexity of {a}.",
-                       "Why is {a} as fast (or slow) as it is? Give the complexity."]).format(a=rng.choice(ALGORITHMS))
 
 
 def c_refactor(rng):
@@ -946,11 +152,6 @@ def c_translate(rng):
     return f"Translate this Python function to {target}:\n\n{fence(lang, code)}"
 
 
-def c_shell(rng):
-    return rng.choice(["Write a bash command that {t}.", "Give me a one-line shell command that {t}, and explain each part.",
-                       "Write a short bash script that {t}."]).format(t=rng.choice(SHELL_TASKS))
-
-
 def c_concept(rng):
     lang, a, b = rng.choice(CONCEPTS)
     return rng.choice(["What is the difference between {a} and {b} in {l}?", "{l}: when should I use {a} instead of {b}?",
@@ -961,11 +162,6 @@ def c_error(rng):
     err = rng.choice(ERRORS)
     return rng.choice(["What does this error mean and how do I fix it?\n\n```\n{e}\n```", "I keep getting `{e}`. What causes it?",
                        "Getting this error:\n{e}\nAny idea?"]).format(e=err)
-
-
-def c_class(rng):
-    return rng.choice(["Write a Python class for {c}.", "Design a Python class for {c}, and show how to use it.",
-                       "Implement {c} as a class in Python with tests."]).format(c=rng.choice(CLASSES))
 
 
 def c_quick(rng):
@@ -982,32 +178,6 @@ CODE_TEMPLATES = [
 ]
 
 # ----------------------------------------------------------------------------------------------- math
-STEPS = ["", "", " Show your steps.", " Explain your reasoning.", " Please show the working.", " Just give the final answer.",
-         " Walk me through it step by step.", " Can you explain how you got it?"]
-SHOP_ITEMS = ["notebooks", "apples", "coffee mugs", "pens", "movie tickets", "bus passes", "cupcakes", "T-shirts",
-              "packs of stickers", "bottles of juice", "plant pots", "loaves of bread", "light bulbs", "comic books"]
-PRICES = [0.75, 1.25, 1.5, 2, 2.4, 2.75, 3.5, 4.99, 6, 7.25, 8.5, 9.99, 12]
-PRODUCTS_MATH = ["jacket", "laptop", "pair of running shoes", "bicycle", "coffee machine", "desk chair", "backpack",
-                 "headphones", "winter coat", "tablet", "board game", "blender"]
-PLACES_MATH = ["garden", "classroom", "kitchen floor", "parking lot", "swimming pool", "living room", "vegetable patch", "patio"]
-CONVERSIONS = [
-    ("miles", "kilometers", [3, 5, 13.1, 26.2, 42, 60, 100]), ("kilograms", "pounds", [2, 5, 12, 68, 75, 90]),
-    ("degrees Fahrenheit", "degrees Celsius", [32, 50, 68, 98.6, 104, 212, 0]),
-    ("liters", "US gallons", [4, 10, 20, 55]), ("feet", "meters", [6, 10, 30, 1000, 5280]),
-    ("cups", "milliliters", [0.5, 1.5, 2, 3]), ("hours", "seconds", [2, 5, 24, 1.5]),
-    ("square meters", "square feet", [12, 45, 80, 150]), ("km/h", "m/s", [36, 50, 90, 120]),
-    ("inches", "centimeters", [6, 12, 27, 55]), ("ounces", "grams", [4, 8, 16]),
-    ("minutes", "hours and minutes", [95, 135, 200, 500]), ("gigabytes", "megabytes", [1.5, 4, 16, 64]),
-]
-MATH_CONCEPTS = [
-    "find the least common multiple of two numbers", "convert a repeating decimal like 0.333... to a fraction",
-    "find the area of a trapezoid", "calculate a percentage increase", "divide one fraction by another",
-    "solve a proportion", "round a number to significant figures", "find the slope of a line through two points",
-    "compute a weighted average", "turn a mixed number into an improper fraction", "complete the square",
-    "use the order of operations", "find the probability of two independent events both happening",
-    "estimate a square root without a calculator", "simplify an algebraic fraction", "convert a fraction to a percentage",
-    "find the volume of a cylinder", "read a number written in scientific notation",
-]
 
 
 def m_shopping(rng):
@@ -1362,12 +532,6 @@ def m_unit_price(rng):
     return f"A pack of {n1} {item} costs {money(p1, cur)} and a pack of {n2} costs {money(p2, cur)}. Which is the better deal?" + rng.choice(STEPS)
 
 
-def m_concept(rng):
-    return rng.choice(["Explain how to {c}, with an example.", "Can you teach me how to {c}? Use a worked example.",
-                       "What's an easy way to {c}?", "I always forget how to {c}. Can you remind me, step by step?"]
-                      ).format(c=rng.choice(MATH_CONCEPTS))
-
-
 MATH_TEMPLATES = [
     (m_shopping, 1), (m_discount, 1), (m_tip, 1), (m_speed, 1), (m_meet, 1), (m_work, 1), (m_ages, 1), (m_rect, 1),
     (m_circle, 1), (m_percent, 1), (m_percent_change, 1), (m_fraction, 1), (m_fraction_word, 1), (m_convert, 1),
@@ -1378,119 +542,6 @@ MATH_TEMPLATES = [
 ]
 
 # -------------------------------------------------------------------------------------------- writing
-CHARACTERS = ["a retired lighthouse keeper", "a nervous first-year teacher", "a robot that works in a bakery",
-              "a girl who can hear plants", "an old fisherman", "a detective who is afraid of the dark",
-              "a street musician", "a cat that runs a hotel", "an astronaut on her last mission", "a grandmother learning to skate",
-              "a delivery driver", "a young dragon", "twin brothers who swap jobs for a day", "a librarian with a secret"]
-SITUATIONS = ["finds a letter addressed to someone who died fifty years ago", "wins a prize they never entered for",
-              "has to cross the city before midnight", "discovers the town's clocks have all stopped",
-              "gets stuck in an elevator with a stranger", "receives a mysterious package every Tuesday",
-              "loses their voice the day before a big performance", "finds a door that wasn't there yesterday",
-              "has one day to fix a big mistake", "meets their future self at a bus stop"]
-SETTINGS = ["a small fishing village", "a space station", "a busy train station", "a desert town", "a snowed-in mountain cabin",
-            "a floating market", "a school at night", "a city where it never stops raining", "an abandoned amusement park"]
-ANIMALS = ["a shy hedgehog", "a little owl", "a brave mouse", "a sleepy bear", "a curious fox", "a tiny turtle", "a lonely whale"]
-WANTS = ["wants to see the sea", "is afraid of thunder", "can't find a friend to play with", "wants to learn to fly",
-         "lost its favourite blanket", "wants to stay up to see the stars"]
-EMAILS = [
-    ("my landlord", "asking him to fix the broken heating"), ("my manager", "asking for Friday off"),
-    ("a customer", "apologizing for a delayed order"), ("my team", "announcing that our project launched"),
-    ("a professor", "asking for an extension on my essay"), ("a hotel", "asking about late check-in"),
-    ("a colleague", "thanking them for their help on a report"), ("a client", "following up on an unpaid invoice"),
-    ("my neighbor", "asking them to keep the noise down at night"), ("a recruiter", "declining a job offer politely"),
-    ("the school", "explaining that my son was sick yesterday"), ("a supplier", "asking for a price quote for 500 units"),
-    ("everyone in the office", "inviting them to a farewell lunch"), ("customer support", "requesting a refund for a broken kettle"),
-]
-EMAIL_EXTRAS = ["Keep it under 120 words.", "Make it friendly but professional.", "Keep it short.", "Use a formal tone.",
-                "Mention that I'm available next week.", "Add a clear subject line."]
-JOBS = ["junior data analyst", "barista", "marketing coordinator", "software engineer", "nurse", "graphic designer",
-        "customer service representative", "project manager", "teaching assistant", "warehouse supervisor", "UX researcher"]
-COMPANIES = ["a small startup", "a hospital", "a local café", "a large bank", "an environmental charity", "a game studio",
-             "a public library", "an online retailer"]
-SKILLS = ["Excel and SQL", "customer service", "social media", "Python", "team leadership", "event planning", "logistics",
-          "user interviews"]
-POEM_FORMS = ["a haiku", "a limerick", "a sonnet", "a short free-verse poem", "a four-line rhyming poem", "a cinquain",
-              "a ballad of three stanzas", "a villanelle", "a poem in rhyming couplets"]
-POEM_SUBJECTS = ["the first day of autumn", "a broken umbrella", "Monday mornings", "the moon over a city",
-                 "my grandmother's kitchen", "a cup of tea", "losing a game", "the sea in winter", "a stray dog",
-                 "learning to code", "a thunderstorm", "the last day of school", "a bicycle", "an empty train"]
-PRODUCTS = ["a reusable water bottle that keeps drinks cold for 24 hours", "noise-cancelling headphones",
-            "a handmade soy candle that smells like pine", "a foldable electric scooter", "a kids' science kit",
-            "a smart plant pot that reminds you to water it", "a waterproof hiking backpack", "an ergonomic office chair",
-            "organic dark chocolate with sea salt", "a vintage-style record player", "a travel pillow"]
-AUDIENCES = ["busy parents", "students", "outdoor lovers", "remote workers", "gift shoppers", "retirees"]
-BUSINESSES = ["a dog grooming salon", "a vegan bakery", "a bike repair shop", "a language school", "a coworking space",
-              "a plant nursery", "a mobile car wash", "a board game café"]
-ESSAY_TOPICS = ["why reading fiction matters", "the pros and cons of remote work", "how social media changed friendship",
-                "the importance of sleep", "whether homework should be banned", "what makes a good teacher",
-                "the value of learning a second language", "how cities can reduce traffic", "why people love sport",
-                "the role of museums today"]
-POSITIONS = ["that cities should make public transport free", "that schools should start later in the morning",
-             "that every child should learn to cook", "against banning phones in classrooms",
-             "that four-day work weeks are a good idea", "that tipping culture should end", "for keeping libraries open on Sundays"]
-OCCASIONS = ["my sister's wedding", "a colleague's retirement party", "a high school graduation",
-             "the opening of a community garden", "my best friend's 30th birthday", "the end of a football season",
-             "welcoming new employees", "a charity fundraiser"]
-PARAGRAPHS = [
-    "The town council met on Tuesday to discuss the new bike lanes. Some shop owners worried that removing parking spaces would hurt business, while cyclists said the lanes would make streets safer and bring more customers. After two hours of debate, the council agreed to test the lanes on one street for six months before deciding.",
-    "Honeybees communicate through a 'waggle dance.' When a bee finds a good source of food, it returns to the hive and moves in a figure-eight pattern. The angle of the dance shows the direction of the food relative to the sun, and the length of the waggle shows how far away it is.",
-    "Our quarterly sales grew by 12 percent, mostly thanks to the new online store. However, costs also rose because of higher shipping prices. The team plans to negotiate with delivery partners and to promote in-store pickup to keep margins healthy.",
-    "I tried the new ramen place downtown last night. The broth was rich and the noodles were perfect, but we waited forty minutes for a table and the music was so loud we could barely talk. I'd go back, but probably at lunchtime.",
-    "Regular exercise does not have to mean hours at the gym. Studies show that even short walks of ten minutes, done several times a day, improve mood and heart health. The key is consistency: small habits repeated every day add up.",
-    "The library will close for renovations from June 1 to August 15. During this time, books can be returned at the community center, and the online catalog will stay available. The renovated building will have a new children's area and more study rooms.",
-    "Our app crashed for some users on Monday after an update. The problem was caused by a bug in the login screen that only appeared on older phones. We fixed it within three hours and are adding more tests so it doesn't happen again.",
-    "Volcanoes form where magma from deep inside the Earth reaches the surface. Most are found along the edges of tectonic plates, especially around the Pacific Ocean, an area known as the Ring of Fire.",
-    "hey so about tomorrow, i can't make it at 10 anymore because my car is in the shop. could we do 2pm instead? if not, maybe thursday works. sorry for the mess!",
-    "Dear residents, please note that the water will be turned off on Saturday between 9 a.m. and 1 p.m. for pipe repairs. We apologize for the inconvenience and thank you for your patience.",
-    "Many people think goldfish have a three-second memory, but experiments show they can remember things for months. Goldfish have been trained to push levers, recognize colors and even respond to sounds at feeding time.",
-    "The match was tied until the final minute, when the youngest player on the team scored from outside the box. The crowd went wild, and the coach later said it was the best goal he had seen in twenty years.",
-]
-TONES = ["a formal", "a friendly", "a more persuasive", "a humorous", "a calm and reassuring", "an enthusiastic",
-         "a neutral, news-like", "a very concise"]
-BAD_TEXTS = [
-    "Their going to the park tomorow, but they dont no if it will rain.",
-    "me and him has been working on this project since three weeks and we is almost finish.",
-    "Its a grate oppurtunity to learn new skill's and meet peoples from diffrent country's.",
-    "I would of came earlier but the bus were late and i loose my phone.",
-    "The informations you send me was very usefull, thank you for you're help.",
-    "Everyone have there own opinion, but i think this movie are overrated.",
-    "Could you please sent me the documents untill friday, I need them urgent.",
-]
-PLATFORMS = ["LinkedIn", "Instagram", "X (Twitter)", "Facebook", "newsletter"]
-NEWS = ["our bakery's new opening hours", "that I got a new job", "a 20% summer sale", "our new podcast episode",
-        "a charity run next month", "that our café now has vegan options", "the launch of our mobile app",
-        "that I finished my first marathon", "a free coding workshop for teens"]
-REVIEW_THINGS = ["a pair of wireless earbuds", "a small Italian restaurant", "a budget hotel near the airport",
-                 "a mystery novel", "a yoga app", "a family-friendly museum", "an electric toothbrush", "a camping tent"]
-DIALOGUE_PAIRS = [("a barista", "a customer who can't decide"), ("a teenager", "their grandfather"),
-                  ("two astronauts", None), ("a job interviewer", "a very honest candidate"), ("a cat", "a dog"),
-                  ("a tourist", "a local giving directions"), ("two old friends who haven't met in ten years", None)]
-DIALOGUE_TOPICS = ["the weather", "a missing sandwich", "the meaning of success", "what to have for dinner",
-                   "a strange noise at night", "learning to drive"]
-BIO_PEOPLE = ["a freelance photographer who specializes in weddings", "a nurse who volunteers at a food bank",
-              "a high school chemistry teacher who runs a robotics club", "a backend developer with 6 years of experience",
-              "a yoga instructor based in Lisbon", "a startup founder building tools for farmers", "a children's book illustrator"]
-BLOG_TOPICS = ["saving money on groceries", "starting to run at 40", "houseplants for beginners", "working from home with kids",
-               "learning to cook on a budget", "traveling with only a backpack", "getting better sleep", "decluttering a small flat"]
-SCENE_PLACES = ["a night market", "a beach in winter", "a crowded subway car", "a forest after rain", "a grandmother's attic",
-                "a football stadium before kickoff", "a bakery at 5 a.m.", "a hospital waiting room"]
-OPENINGS = ["The last bus never came.", "Nobody in the village remembered who had planted the tree.",
-            "The message arrived at 3:07 a.m., and it was from my own phone.", "On the morning of her eightieth birthday, Rosa bought a motorcycle.",
-            "The map showed an island that wasn't supposed to exist.", "Every Thursday, the old piano in the hall played by itself."]
-APOLOGIES = [("my friend", "missing her birthday dinner"), ("a customer", "sending the wrong size"),
-             ("my roommate", "eating his leftovers"), ("my team", "missing a deadline"), ("a guest", "a noisy party")]
-EVENTS = ["a neighborhood barbecue", "a surprise birthday party", "a book club's first meeting", "a kids' science fair",
-          "an office holiday party", "a wedding reception", "a garage sale"]
-SONG_GENRES = ["country", "pop", "blues", "folk", "punk", "lullaby"]
-NOTES = ["meeting moved to Thu, budget ok'd, need 2 more volunteers, next steps: Maria books venue",
-         "trip: 3 days Rome, loved food, museums crowded, rained day 2, best gelato near Pantheon",
-         "new product: lighter, battery 2x, same price, ships March, preorders open now",
-         "onboarding: laptop day 1, meet buddy, HR forms by Fri, first project week 2"]
-
-
-def w_story(rng):
-    return rng.choice(["Write a short story about {c} who {s}.", "Tell me a story about {c} who {s}. Keep it under 300 words.",
-                       "Write a funny short story about {c} who {s}."]).format(c=rng.choice(CHARACTERS), s=rng.choice(SITUATIONS))
 
 
 def w_story_constraint(rng):
@@ -1516,64 +567,9 @@ def w_cover_letter(rng):
     ]).format(j=rng.choice(JOBS), c=rng.choice(COMPANIES), y=rng.randint(1, 12), s=rng.choice(SKILLS))
 
 
-def w_poem(rng):
-    return rng.choice(["Write {f} about {s}.", "Could you write {f} about {s}?", "Compose {f} on the theme of {s}."]
-                      ).format(f=rng.choice(POEM_FORMS), s=rng.choice(POEM_SUBJECTS))
-
-
 def w_acrostic(rng):
     word = rng.choice(["SPRING", "COFFEE", "FRIEND", "OCEAN", "MUSIC", "HOPE", "GARDEN", "WINTER", "PYTHON", "TRAVEL"])
     return f"Write an acrostic poem using the word {word}."
-
-
-def w_product(rng):
-    return rng.choice(["Write a product description for {p}.", "Write a 50-word product description for {p}, aimed at {a}.",
-                       "Write an Amazon-style listing with bullet points for {p}."]).format(p=rng.choice(PRODUCTS), a=rng.choice(AUDIENCES))
-
-
-def w_slogans(rng):
-    return rng.choice(["Come up with five slogans for {b}.", "Write a catchy tagline for {b}.",
-                       "Suggest a name and a short slogan for {b}."]).format(b=rng.choice(BUSINESSES))
-
-
-def w_essay(rng):
-    return rng.choice(["Write a short essay on {t}.", "Write a five-paragraph essay about {t}.",
-                       "Write an essay introduction about {t}, ending with a clear thesis statement."]).format(t=rng.choice(ESSAY_TOPICS))
-
-
-def w_opinion(rng):
-    return rng.choice(["Write an opinion piece arguing {p}.", "Write a persuasive paragraph arguing {p}.",
-                       "Write a letter to the editor arguing {p}."]).format(p=rng.choice(POSITIONS))
-
-
-def w_speech(rng):
-    return rng.choice(["Write a short speech for {o}.", "Write a two-minute toast for {o}.",
-                       "I have to say a few words at {o}. Can you write something warm and a little funny?"]).format(o=rng.choice(OCCASIONS))
-
-
-def w_summary(rng):
-    return rng.choice(["Summarize the following paragraph in one sentence:\n\n{p}", "Summarize this in three bullet points:\n\n{p}",
-                       "{p}\n\nTL;DR?", "Give me a headline for this paragraph:\n\n{p}"]).format(p=rng.choice(PARAGRAPHS))
-
-
-def w_rewrite_tone(rng):
-    return "Rewrite this paragraph in {t} tone:\n\n{p}".format(t=rng.choice(TONES), p=rng.choice(PARAGRAPHS))
-
-
-def w_rewrite_audience(rng):
-    return rng.choice(["Rewrite the following for a ten-year-old reader:\n\n{p}", "Make this sound more professional:\n\n{p}",
-                       "Shorten this to about half its length without losing the key facts:\n\n{p}",
-                       "Turn this paragraph into a tweet:\n\n{p}"]).format(p=rng.choice(PARAGRAPHS))
-
-
-def w_proofread(rng):
-    return rng.choice(["Fix the grammar and spelling in this sentence: \"{t}\"", "Proofread this: {t}",
-                       "Correct the mistakes and explain each one:\n\n{t}"]).format(t=rng.choice(BAD_TEXTS))
-
-
-def w_social(rng):
-    return rng.choice(["Write a {p} post announcing {n}.", "Write three short {p} captions about {n}."]
-                      ).format(p=rng.choice(PLATFORMS), n=rng.choice(NEWS))
 
 
 def w_review(rng):
@@ -1587,43 +583,14 @@ def w_dialogue(rng):
     return f"Write a short dialogue between {who} about {rng.choice(DIALOGUE_TOPICS)}."
 
 
-def w_bio(rng):
-    return rng.choice(["Write a short professional bio for {p}.", "Write a three-sentence 'About me' for {p}, in the first person."]
-                      ).format(p=rng.choice(BIO_PEOPLE))
-
-
-def w_titles(rng):
-    return rng.choice(["Suggest ten titles for a blog post about {t}.", "Write an outline for a blog post about {t}.",
-                       "Write the opening paragraph of a blog post about {t}."]).format(t=rng.choice(BLOG_TOPICS))
-
-
-def w_scene(rng):
-    return rng.choice(["Describe {p} using all five senses.", "Write a vivid paragraph describing {p}.",
-                       "Describe {p} from the point of view of a child."]).format(p=rng.choice(SCENE_PLACES))
-
-
-def w_continue(rng):
-    return rng.choice(["Continue this story: \"{o}\"", "Write the next paragraph of a story that begins: {o}",
-                       "Use this as the first line of a short story: \"{o}\""]).format(o=rng.choice(OPENINGS))
-
-
 def w_apology(rng):
     who, what = rng.choice(APOLOGIES)
     return rng.choice(["Write an apology message to {w} for {x}.", "Help me apologize to {w} for {x}. Keep it sincere, not dramatic."]
                       ).format(w=who, x=what)
 
 
-def w_invitation(rng):
-    return rng.choice(["Write an invitation for {e}.", "Write a fun text message inviting friends to {e}."]).format(e=rng.choice(EVENTS))
-
-
 def w_song(rng):
     return f"Write the lyrics for a {rng.choice(SONG_GENRES)} song about {rng.choice(POEM_SUBJECTS)}, with a chorus."
-
-
-def w_notes(rng):
-    return rng.choice(["Turn these notes into a clear paragraph: {n}", "Write an email to the team from these notes: {n}"]
-                      ).format(n=rng.choice(NOTES))
 
 
 def w_thank_you(rng):
@@ -1641,58 +608,6 @@ WRITING_TEMPLATES = [
 ]
 
 # ----------------------------------------------------------------------------------------- extraction
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-          "November", "December"]
-FULL_NAMES = ["Maria Lopez", "James Okafor", "Wei Zhang", "Sarah Cohen", "Ahmed Haddad", "Julia Novak", "Kenji Sato",
-              "Laura Bianchi", "Daniel Moreau", "Priya Nair", "Tom Fischer", "Emma Johansson", "Carlos Mendes",
-              "Aylin Demir", "Oliver Grant", "Nadia Petrova", "Samuel Adeyemi", "Chloe Martin"]
-CITIES = ["Lyon", "Denver", "Porto", "Leeds", "Osaka", "Toronto", "Melbourne", "Nairobi", "Gdansk", "Austin",
-          "Valencia", "Edinburgh", "Cape Town", "Seattle"]
-STORES = ["FreshMart", "Corner Grocery", "BuildIt Hardware", "City Pharmacy", "Green Leaf Market", "TechZone",
-          "Bean There Café", "Page & Quill Books"]
-RECEIPT_ITEMS = [("Milk 1L", 1.29), ("Sourdough bread", 3.80), ("Bananas (1 kg)", 1.49), ("Coffee beans 500g", 8.99),
-                 ("Cheddar cheese", 4.25), ("Paper towels", 5.60), ("Olive oil", 7.45), ("Eggs (12)", 3.19),
-                 ("Screwdriver set", 14.99), ("AA batteries x8", 6.49), ("Toothpaste", 2.75), ("Notebook A5", 3.50),
-                 ("Latte", 3.90), ("Blueberry muffin", 2.60), ("USB-C cable", 9.99), ("Dish soap", 2.30), ("Tomatoes", 2.15)]
-SERVICES = ["auth", "payments", "api-gateway", "search", "worker", "db", "scheduler", "mailer"]
-LOG_MESSAGES = [
-    ("INFO", "request completed in {ms}ms"), ("INFO", "user {uid} logged in"), ("WARN", "slow query took {ms}ms"),
-    ("ERROR", "connection refused to db:5432"), ("ERROR", "timeout after {ms}ms calling payments"),
-    ("WARN", "retrying job {uid} (attempt 2/5)"), ("INFO", "cache hit ratio 0.{ms}"), ("ERROR", "NullPointerException in OrderService"),
-    ("DEBUG", "loaded config from env"), ("ERROR", "disk usage at 9{d}%"), ("INFO", "scheduled job {uid} started"),
-]
-PRODUCT_LISTINGS = [
-    ("TrailLite 2 Tent", "NorthPeak", ["2-person", "weight 1.8 kg", "waterproof rating 3000 mm", "setup time 5 minutes"]),
-    ("AeroBrew Kettle", "Kitchara", ["1.7 L capacity", "2200 W", "temperature presets: 70, 80, 90, 100 °C", "keep-warm 30 min"]),
-    ("PulseFit Band 3", "Motiv", ["heart-rate tracking", "battery up to 12 days", "water resistant to 50 m", "sleep tracking"]),
-    ("ClearView 27 Monitor", "Lumina", ["27-inch IPS", "2560x1440 resolution", "144 Hz", "USB-C with 65 W charging"]),
-    ("Cozy Cloud Duvet", "Restwell", ["king size", "hypoallergenic fill", "machine washable at 40 °C", "all-season"]),
-    ("SwiftRide E-Bike", "Voltra", ["range 80 km", "top speed 25 km/h", "frame size M", "weight 22 kg"]),
-    ("Little Chef Knife Set", "Ferro", ["5 knives", "stainless steel", "wooden block included", "dishwasher safe: no"]),
-]
-POS_PHRASES = ["the staff were incredibly friendly", "delivery was faster than promised", "the quality is excellent for the price",
-               "setup took two minutes", "it works exactly as described", "the food was delicious", "the room was spotless"]
-NEG_PHRASES = ["the battery dies after a few hours", "customer support never replied", "it arrived with a cracked lid",
-               "the portions were tiny", "the instructions were confusing", "it's much louder than expected", "the wifi kept dropping"]
-TEAMS = ["Riverside FC", "Northgate United", "Harbor City", "Eastfield Rovers", "Valley Athletic", "Kingsbridge Town"]
-JOB_TITLES = ["Data Analyst", "Frontend Developer", "Office Manager", "Sous Chef", "Sales Associate", "DevOps Engineer", "Copywriter"]
-COMPANY_NAMES = ["Brightwave Ltd", "Orbit Labs", "Maple & Co", "Nordic Foods", "Helix Health", "Quartz Logistics", "Sunset Media"]
-EVENT_NAMES = ["Spring Jazz Night", "Community Clean-Up Day", "Startup Pitch Evening", "Kids' Coding Workshop",
-               "Autumn Craft Fair", "Charity 5K Fun Run", "Open-Air Cinema"]
-VENUES = ["the Old Town Hall", "Riverside Park", "the Central Library, room 2", "Hall B of the Expo Center", "the Lighthouse Café"]
-CLINICS = ["Riverside Medical Center, 2nd floor", "Northgate Health Clinic, room 14", "City Hospital, outpatient wing",
-           "Parkview Practice, 12 Elm Road"]
-SUPPORT_ISSUES = ["my order arrived damaged", "I was charged twice", "the app crashes when I open my profile",
-                  "I can't reset my password", "the wrong color was delivered", "my subscription renewed after I cancelled"]
-RECIPES = [("pancakes", ["200 g flour", "2 eggs", "300 ml milk", "1 tbsp sugar", "a pinch of salt", "butter for the pan"]),
-           ("guacamole", ["3 ripe avocados", "1 lime", "1 small onion", "2 tomatoes", "a handful of cilantro", "salt"]),
-           ("tomato soup", ["1 kg tomatoes", "1 onion", "2 garlic cloves", "500 ml vegetable stock", "2 tbsp olive oil", "basil"]),
-           ("banana bread", ["3 bananas", "250 g flour", "100 g butter", "150 g brown sugar", "1 egg", "1 tsp baking soda"])]
-WEATHER = ["sunny", "cloudy", "light rain", "thunderstorms", "windy", "snow showers", "partly cloudy"]
-BANK_ENTRIES = [("GROCERY STORE", -120, -15), ("SALARY", 1800, 3200), ("RENT", -1100, -650), ("COFFEE SHOP", -12, -3),
-                ("ONLINE SHOP", -250, -20), ("GYM", -45, -25), ("REFUND", 10, 90), ("TRANSFER TO SAVINGS", -300, -50),
-                ("ELECTRICITY", -110, -40), ("RESTAURANT", -80, -18)]
-DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 
 def _date(rng):
@@ -1758,13 +673,7 @@ def p_news(rng):
     ])
     text = (f"{city.upper()} - In {city}, {event}. \"{rng.choice(['This is a great day for the city', 'We are proud of everyone involved', 'We expected a lot, but this exceeded everything'])},\" "
             f"said {person}, the {rng.choice(['mayor', 'event organizer', 'fire chief', 'head teacher', 'transport director'])}.")
-    task = rng.choice([
-        "Extract all the names, places and numbers mentioned in this news item.",
-        "Give the who, what, when and where of this news item as JSON.",
-        "Who is quoted in this article, and what is their role?",
-        "Write a one-line headline for this news item, then list its key facts.",
-    ])
-    return "news item", text, task
+    return "news item", text, rng.choice(TASKS["p_news"])
 
 
 def p_bio(rng):
@@ -1788,13 +697,7 @@ def p_product(rng):
     price = rng.randint(20, 900) - 0.01
     text = (f"{name} by {brand}\nPrice: ${price:.2f} (was ${price * 1.2:.2f})\n" + "\n".join(f"• {s}" for s in specs)
             + f"\nRating: {rng.choice(['4.1', '4.5', '3.8', '4.7'])}/5 ({rng.randint(12, 3000)} reviews)\nIn stock: {rng.choice(['yes', 'only 3 left', 'ships in 2 weeks'])}")
-    task = rng.choice([
-        "Extract the product name, brand, current price, old price and rating as JSON.",
-        "Make a table of the specifications in this listing.",
-        "What is the discount on this product, in dollars and in percent?",
-        "Based only on the listing, what are the main selling points?",
-    ])
-    return "product listing", text, task
+    return "product listing", text, rng.choice(TASKS["p_product"])
 
 
 def p_logs(rng):
@@ -1805,13 +708,7 @@ def p_logs(rng):
         ts = f"{day}T{base:02d}:{10 + 5 * i:02d}:{rng.randint(0, 59):02d}Z"
         lines.append(f"{ts} {level:<5} [{rng.choice(SERVICES)}] " + msg.format(ms=rng.randint(40, 999), uid=rng.randint(1000, 9999), d=rng.randint(1, 9)))
     text = "\n".join(lines)
-    task = rng.choice([
-        "Parse each log line into JSON with the keys timestamp, level, service and message.",
-        "How many ERROR lines are in this log, and which services produced them?",
-        "Summarize what happened in these logs and point out anything that needs attention.",
-        "Make a table counting log lines per level.",
-    ])
-    return "log excerpt", text, task
+    return "log excerpt", text, rng.choice(TASKS["p_logs"])
 
 
 def p_review(rng):
@@ -1820,13 +717,7 @@ def p_review(rng):
     parts = [f"{p[0].upper()}{p[1:]}." for p in good + bad]
     rng.shuffle(parts)
     text = " ".join(parts) + rng.choice(["", " Would I buy it again? Maybe.", " Not sure I'd recommend it.", " Overall, happy."])
-    task = rng.choice([
-        "Classify the sentiment of this review as positive, negative or mixed, and explain why in one sentence.",
-        "List each aspect mentioned in this review and whether it is praised or criticized.",
-        "How many stars (1-5) would you guess this reviewer gave? Justify briefly.",
-        "Extract the complaints from this review as a bulleted list. If there are none, say so.",
-    ])
-    return "customer review", text, task
+    return "customer review", text, rng.choice(TASKS["p_review"])
 
 
 def p_shipping(rng):
@@ -1834,12 +725,7 @@ def p_shipping(rng):
     text = (f"Hi {name.split()[0]},\nGood news! Your order #{order} has shipped with {rng.choice(['DHL', 'UPS', 'FedEx', 'Royal Mail', 'PostNL'])}. "
             f"Tracking number: {rng.choice(['1Z', 'JD', 'RM'])}{rng.randint(10 ** 9, 10 ** 10 - 1)}. Estimated delivery: {_date(rng)}.\n"
             f"Items: {', '.join(n for n, _ in rng.sample(RECEIPT_ITEMS, 2))}.\nShipping to: {rng.randint(1, 200)} {rng.choice(['High Street', 'Maple Ave', 'Rue Victor Hugo', 'Elm Road'])}, {rng.choice(CITIES)}")
-    task = rng.choice([
-        "Extract the order number, carrier, tracking number and delivery date as JSON.",
-        "When should this package arrive, and where is it going?",
-        "List the items in this order and the customer's name.",
-    ])
-    return "shipping email", text, task
+    return "shipping email", text, rng.choice(TASKS["p_shipping"])
 
 
 def p_flight(rng):
@@ -1849,12 +735,7 @@ def p_flight(rng):
     text = (f"Passenger: {rng.choice(FULL_NAMES).upper()}\nBooking ref: {rng.choice('QWXZ')}{rng.randint(1000, 9999)}{rng.choice('KLMP')}\n"
             f"Flight 1: {rng.choice(['BA', 'LH', 'AF', 'KL'])}{rng.randint(100, 999)} {a} {t1:02d}:{rng.choice(['05', '25', '40'])} -> {b} {t1 + 2:02d}:{rng.choice(['10', '35', '50'])}, {d}\n"
             f"Flight 2: {rng.choice(['EK', 'TK', 'IB', 'UA'])}{rng.randint(100, 999)} {b} {t2:02d}:{rng.choice(['00', '20', '45'])} -> {c} {rng.choice(['06:30', '09:15', '23:55'])} (+1), {d}\nBaggage: {rng.choice(['1 x 23 kg', 'cabin only', '2 x 23 kg'])}")
-    task = rng.choice([
-        "Make a table of the flights in this itinerary (flight number, from, to, departure, arrival).",
-        "How long is the layover between the two flights? Answer from the itinerary.",
-        "Extract the passenger name, booking reference and baggage allowance as JSON.",
-    ])
-    return "flight itinerary", text, task
+    return "flight itinerary", text, rng.choice(TASKS["p_flight"])
 
 
 def p_job(rng):
@@ -1863,12 +744,7 @@ def p_job(rng):
     text = (f"{title} - {company}\nLocation: {rng.choice(CITIES)} ({rng.choice(['hybrid', 'fully remote', 'on-site'])})\n"
             f"Salary: ${lo:,} - ${lo + rng.randint(5, 30) * 1000:,}\nRequirements: {', '.join(rng.sample(['2+ years of experience', 'SQL', 'excellent communication', 'a driving license', 'React', 'food safety certificate', 'Spanish', 'Kubernetes', 'attention to detail'], 4))}.\n"
             f"Apply by {_date(rng)}.")
-    task = rng.choice([
-        "Extract the job title, company, location, work mode, salary range and deadline as JSON.",
-        "List the requirements in this job posting as bullet points.",
-        "Is this job remote, and what is the middle of the salary range?",
-    ])
-    return "job posting", text, task
+    return "job posting", text, rng.choice(TASKS["p_job"])
 
 
 def p_apartment(rng):
@@ -1876,48 +752,28 @@ def p_apartment(rng):
     text = (f"Bright {rooms}-bedroom flat in central {rng.choice(CITIES)}, {size} m², {rng.choice(['2nd', '3rd', '5th'])} floor "
             f"{rng.choice(['with elevator', 'no elevator'])}. Rent {rent} per month plus {rng.randint(50, 200)} for utilities. "
             f"Deposit: two months. Available from {_date(rng)}. {rng.choice(['Pets welcome.', 'No pets.', 'Small pets negotiable.'])} Contact {rng.choice(FULL_NAMES)}.")
-    task = rng.choice([
-        "Extract rooms, size, rent, utilities, deposit, availability date and pet policy as JSON.",
-        "What would I pay in the first month, including the deposit? Use only the listing.",
-        "List the pros and cons of this listing for a family with a dog.",
-    ])
-    return "apartment listing", text, task
+    return "apartment listing", text, rng.choice(TASKS["p_apartment"])
 
 
 def p_event(rng):
     text = (f"{rng.choice(EVENT_NAMES)}\nJoin us on {_date(rng)} from {_time(rng)} at {rng.choice(VENUES)}, {rng.choice(CITIES)}. "
             f"Tickets: {rng.choice(['free', '$5', '€12', '£8 (kids free)'])}. Bring {rng.choice(['your own chair', 'a friend', 'a reusable cup'])}! "
             f"Questions? Email {rng.choice(['info', 'events', 'hello'])}@{rng.choice(['townhub', 'greenfuture', 'pitchnight'])}.org or call 555-0{rng.randint(100, 199)}.")
-    task = rng.choice([
-        "Extract the event name, date, time, venue, price and contact details as JSON.",
-        "Write this announcement as a calendar entry: title, date, start time, location.",
-        "What should I bring to this event, and how much does it cost?",
-    ])
-    return "event announcement", text, task
+    return "event announcement", text, rng.choice(TASKS["p_event"])
 
 
 def p_support(rng):
     name, issue = rng.choice(FULL_NAMES), rng.choice(SUPPORT_ISSUES)
     text = (f"From: {name}\nSubject: {rng.choice(['Problem with my order', 'URGENT', 'Help please', 'Account issue'])}\n\n"
             f"Hello, {issue}. Order number {rng.randint(10000, 99999)}. {rng.choice(['This is the second time I write.', 'I need this fixed before the weekend.', 'Thanks in advance.'])}")
-    task = rng.choice([
-        "Classify this support message by category (billing, delivery, technical, account) and urgency (low, medium, high). Reply as JSON.",
-        "Extract the customer name, order number and the problem in one sentence.",
-        "Draft a two-sentence reply to this customer, based only on what they wrote.",
-    ])
-    return "support message", text, task
+    return "support message", text, rng.choice(TASKS["p_support"])
 
 
 def p_recipe(rng):
     dish, ingredients = rng.choice(RECIPES)
     text = (f"{dish.title()} (serves {rng.randint(2, 6)})\nIngredients: {'; '.join(ingredients)}.\n"
             f"Method: Prepare everything, cook for about {rng.randint(10, 60)} minutes, then serve.")
-    task = rng.choice([
-        "List the ingredients of this recipe as JSON with name and quantity.",
-        "Double this recipe: give the new quantities in a table.",
-        "How many people does this recipe serve, and how long does it cook?",
-    ])
-    return "recipe", text, task
+    return "recipe", text, rng.choice(TASKS["p_recipe"])
 
 
 def p_contacts(rng):
@@ -1926,18 +782,13 @@ def p_contacts(rng):
         f"{p}\n{rng.choice(['Sales Manager', 'CTO', 'Office Assistant', 'Account Executive', 'Researcher'])}, {rng.choice(COMPANY_NAMES)}\n"
         f"{p.split()[0].lower()}.{p.split()[1].lower()}@example.com | +1 555 {rng.randint(100, 999)} {rng.randint(1000, 9999)}"
         for p in people)
-    task = rng.choice(["Extract every name, email address and phone number into a table.",
-                       "Turn these email signatures into a JSON list of contacts with name, title, company, email and phone."])
-    return "set of email signatures", text, task
+    return "set of email signatures", text, rng.choice(TASKS["p_contacts"])
 
 
 def p_weather(rng):
     days = rng.sample(DAYS, 4)
     text = " ".join(f"{d}: {rng.choice(WEATHER)}, high {rng.randint(5, 32)}°C, low {rng.randint(-3, 15)}°C." for d in days)
-    task = rng.choice(["Make a table with the day, conditions, high and low from this forecast.",
-                       "Which day is best for a picnic according to this forecast, and why?",
-                       "What is the average high temperature over these days?"])
-    return "weather forecast", text, task
+    return "weather forecast", text, rng.choice(TASKS["p_weather"])
 
 
 def p_match(rng):
@@ -1945,17 +796,13 @@ def p_match(rng):
     a, b = rng.sample(FULL_NAMES, 2)
     text = (f"{home} beat {away} {rng.randint(2, 4)}-{rng.randint(0, 1)} on {rng.choice(DAYS)}. {a} opened the scoring in the "
             f"{rng.randint(5, 40)}th minute, and {b} added a second after the break. Attendance was {rng.randint(3, 40) * 1000:,}.")
-    task = rng.choice(["Extract the teams, final score, scorers with minutes, and attendance as JSON.",
-                       "Who scored for the winning team, according to this report?"])
-    return "match report", text, task
+    return "match report", text, rng.choice(TASKS["p_match"])
 
 
 def p_survey(rng):
     comments = rng.sample(POS_PHRASES + NEG_PHRASES + ["no strong opinion", "it was okay I guess", "too expensive for what it is"], 5)
     text = "\n".join(f"{i + 1}. {c[0].upper()}{c[1:]}" for i, c in enumerate(comments))
-    task = rng.choice(["Label each of these survey comments as positive, negative or neutral, in a table.",
-                       "Group these feedback comments into themes and count them."])
-    return "list of survey comments", text, task
+    return "list of survey comments", text, rng.choice(TASKS["p_survey"])
 
 
 def p_invoice(rng):
@@ -1963,12 +810,7 @@ def p_invoice(rng):
     text = (f"INVOICE #{rng.randint(2024001, 2024999)}\nFrom: {rng.choice(FULL_NAMES)}, freelance {rng.choice(['designer', 'translator', 'developer', 'photographer'])}\n"
             f"To: {rng.choice(COMPANY_NAMES)}\nIssued: {_date(rng)}  Due: 30 days\n"
             f"{hours} hours x ${rate}/h = ${hours * rate:,}\nExpenses: ${rng.randint(0, 300)}\nVAT: {rng.choice([0, 10, 20])}%")
-    task = rng.choice([
-        "Extract the invoice number, sender, client, issue date, hours, rate and expenses as JSON.",
-        "What is the total amount due on this invoice, including expenses and VAT? Show the calculation.",
-        "When is this invoice due? Answer from the text.",
-    ])
-    return "invoice", text, task
+    return "invoice", text, rng.choice(TASKS["p_invoice"])
 
 
 def p_schedule(rng):
@@ -1976,19 +818,14 @@ def p_schedule(rng):
         ["dentist", "team standup", "yoga class", "call with mom", "parent-teacher meeting", "car service", "dinner with Sam",
          "project deadline", "haircut"], 4)]
     text = "\n".join(entries)
-    task = rng.choice(["Sort these appointments in chronological order, Monday first.",
-                       "Turn this schedule into a JSON list with day, time and event.",
-                       "Which days of the week are still completely free, based on this list?"])
-    return "weekly schedule", text, task
+    return "weekly schedule", text, rng.choice(TASKS["p_schedule"])
 
 
 def p_appointment(rng):
     text = (f"Reminder: {rng.choice(FULL_NAMES)}, you have an appointment with Dr. {rng.choice(FULL_NAMES).split()[1]} "
             f"({rng.choice(['dermatology', 'dentistry', 'physiotherapy', 'eye clinic'])}) on {_date(rng)} at {_time(rng)}, "
             f"{rng.choice(CLINICS)}. Please arrive 10 minutes early and bring your insurance card. To cancel, reply NO at least 24 hours before.")
-    task = rng.choice(["Extract the patient, doctor, specialty, date, time and location as JSON.",
-                       "What do I need to bring, and how do I cancel? Answer using the message only."])
-    return "appointment reminder", text, task
+    return "appointment reminder", text, rng.choice(TASKS["p_appointment"])
 
 
 def p_bank(rng):
@@ -1999,10 +836,7 @@ def p_bank(rng):
         balance += amount
         rows.append(f"{day:02d}/{month:02d}  {what}  {amount:+d}  bal {balance}")
     text = "\n".join(rows)
-    task = rng.choice(["From this bank statement, list all the expenses and their total.",
-                       "Categorize each transaction (income, housing, food, shopping, other) in a table.",
-                       "What was the largest single expense in this statement?"])
-    return "bank statement", text, task
+    return "bank statement", text, rng.choice(TASKS["p_bank"])
 
 
 def p_hotel(rng):
@@ -2010,18 +844,13 @@ def p_hotel(rng):
     text = (f"Booking confirmed! Guest: {rng.choice(FULL_NAMES)}. Hotel {rng.choice(['Aurora', 'Bellevue', 'Harborview', 'Sakura Inn'])}, {rng.choice(CITIES)}. "
             f"Check-in {_date(rng)} from 15:00, {nights} night{'s' if nights > 1 else ''}. Room: {rng.choice(['double', 'twin', 'single', 'family suite'])}, "
             f"{rng.choice(['breakfast included', 'room only'])}. Total: ${nights * rng.randint(70, 260)}. Free cancellation until 48 hours before arrival.")
-    task = rng.choice(["Extract guest, hotel, city, check-in date, nights, room type, meals and price as JSON.",
-                       "What is the price per night, and until when can I cancel for free?"])
-    return "booking confirmation", text, task
+    return "booking confirmation", text, rng.choice(TASKS["p_hotel"])
 
 
 def p_sensor(rng):
     text = "\n".join(f"{h:02d}:00 temp={rng.randint(15, 31)}.{rng.randint(0, 9)}C humidity={rng.randint(30, 90)}% co2={rng.randint(400, 1600)}ppm"
                      for h in range(rng.randint(6, 12), rng.randint(6, 12) + 5))
-    task = rng.choice(["Parse these sensor readings into a JSON array.",
-                       "At which hour was the CO2 level highest, and was it above 1000 ppm?",
-                       "Make a markdown table of these readings and add the average of each column."])
-    return "sensor log", text, task
+    return "sensor log", text, rng.choice(TASKS["p_sensor"])
 
 
 def p_chat(rng):
@@ -2029,9 +858,7 @@ def p_chat(rng):
     place = rng.choice(["the pizza place on Main St", "the lake", "Café Luna", "the cinema", "my place"])
     text = (f"{a}: are we still on for {rng.choice(DAYS)}?\n{b}: yes! {_time(rng)} at {place}?\n"
             f"{c}: I can only come after 8, is that ok\n{a}: sure. I'll book a table for {rng.randint(3, 6)}\n{b}: don't forget it's {rng.choice(NAMES)}'s birthday")
-    task = rng.choice(["From this group chat, extract the plan: day, time, place, number of people, and any special note.",
-                       "Who is arriving late, and why is the evening special? Answer from the chat."])
-    return "group chat", text, task
+    return "group chat", text, rng.choice(TASKS["p_chat"])
 
 
 PASSAGES = [p_receipt, p_meeting, p_news, p_bio, p_product, p_logs, p_review, p_shipping, p_flight, p_job, p_apartment,
@@ -2053,218 +880,6 @@ def extraction_template(passage):
 EXTRACTION_TEMPLATES = [(extraction_template(p), 2 if p in (p_receipt, p_meeting, p_logs, p_review) else 1) for p in PASSAGES]
 
 # --------------------------------------------------------------------------------------- multilingual
-EN_SENTENCES = [
-    "Where is the nearest pharmacy?", "I'm allergic to peanuts.", "Could we move the meeting to Thursday afternoon?",
-    "The package should arrive within three business days.", "Thank you so much for your hospitality.",
-    "My flight has been delayed by two hours.", "How much does a return ticket cost?",
-    "I've been learning this language for six months.", "Please turn off your phones during the performance.",
-    "We're looking for a quiet hotel near the beach.", "Can I pay by card?", "It's my first time visiting your country.",
-    "The store closes at nine on weekdays.", "Happy birthday! I hope all your wishes come true.",
-    "I need to cancel my appointment for tomorrow.", "The soup is too salty.", "What time does the museum open on Sundays?",
-    "Don't forget to water the plants while I'm away.", "I lost my wallet on the bus this morning.",
-    "Could you speak a little more slowly, please?",
-]
-LANGUAGES = {
-    "French": {
-        "questions": [
-            "Quelle est la différence entre un croissant et un pain au chocolat ?",
-            "Comment puis-je améliorer mon sommeil sans médicaments ?",
-            "Quels sont les endroits à visiter à Lyon en un week-end ?",
-            "Peux-tu m'expliquer simplement comment fonctionne la photosynthèse ?",
-            "Que faut-il mettre dans une trousse de premiers secours pour la randonnée ?",
-            "Comment préparer une bonne vinaigrette maison ?",
-            "Quels conseils donnerais-tu à quelqu'un qui commence la course à pied ?",
-            "Pourquoi le ciel est-il bleu ?", "Comment économiser de l'argent sur les courses chaque mois ?",
-            "Quelle est la meilleure façon d'apprendre le vocabulaire d'une langue étrangère ?",
-            "Combien de temps faut-il faire cuire un œuf dur ?",
-            "Explique-moi la différence entre le passé composé et l'imparfait.",
-        ],
-        "writing": [
-            ("Écris un court poème sur {x}.", ["la pluie d'automne", "un vieux vélo", "la mer en hiver", "le café du matin", "la ville la nuit"]),
-            ("Rédige un e-mail poli pour {x}.", ["demander un jour de congé à mon responsable", "annuler une réservation au restaurant",
-                                               "remercier un collègue pour son aide", "demander un devis à un plombier",
-                                               "signaler un problème de chauffage à mon propriétaire"]),
-            ("Écris une courte histoire pour enfants sur {x}.", ["un petit chat qui a peur du noir", "un dragon qui aime les légumes",
-                                                                 "une tortue qui veut courir vite", "un nuage qui veut voir la mer"]),
-            ("Donne-moi trois idées {x}.", ["de cadeaux pour l'anniversaire de ma mère", "de repas rapides pour le soir",
-                                          "d'activités à faire avec des enfants quand il pleut", "de sorties pas chères à Paris"]),
-        ],
-        "to_english": [
-            "Je voudrais réserver une table pour quatre personnes ce soir à vingt heures.",
-            "Est-ce que tu peux m'envoyer le document avant vendredi ?", "Il fait trop chaud pour travailler dans ce bureau.",
-            "Nous avons raté le dernier train et avons dû prendre un taxi.", "Mon frère apprend à jouer de la guitare depuis deux ans.",
-            "Pourriez-vous m'indiquer le chemin de la gare, s'il vous plaît ?", "Ce livre m'a fait pleurer à la fin.",
-            "La réunion est reportée à la semaine prochaine.",
-        ],
-        "ask_to_english": ["Traduis en anglais : {s}", "Comment traduire cette phrase en anglais ? « {s} »"],
-        "ask_from_english": ["Comment dit-on « {s} » en français ?", "Traduis cette phrase en français : {s}"],
-    },
-    "Spanish": {
-        "questions": [
-            "¿Cuál es la mejor manera de aprender a cocinar paella en casa?", "¿Qué puedo hacer para dormir mejor por la noche?",
-            "¿Me puedes explicar qué es la inflación con un ejemplo sencillo?", "¿Qué lugares recomiendas visitar en Sevilla en dos días?",
-            "¿Cómo puedo ahorrar dinero si vivo solo?", "¿Por qué las hojas de los árboles cambian de color en otoño?",
-            "¿Qué ejercicios puedo hacer en casa sin equipo?", "¿Cuál es la diferencia entre «ser» y «estar»?",
-            "¿Cómo se prepara un buen gazpacho?", "Dame consejos para una entrevista de trabajo.",
-            "¿Cuánta agua debería beber al día?", "¿Qué libros me recomiendas para aprender a programar?",
-        ],
-        "writing": [
-            ("Escribe un poema corto sobre {x}.", ["el mar al atardecer", "la casa de mis abuelos", "un lunes por la mañana",
-                                                  "la lluvia en la ciudad", "un perro callejero"]),
-            ("Redacta un correo electrónico para {x}.", ["pedir a mi jefe un día libre", "quejarme de un pedido que llegó roto",
-                                                         "invitar a mis compañeros a una comida de despedida",
-                                                         "pedir información sobre un curso de inglés", "agradecer a un profesor su ayuda"]),
-            ("Escribe un cuento corto sobre {x}.", ["una niña que encuentra un mapa secreto", "un robot que quiere ser cocinero",
-                                                   "un pueblo donde nunca llueve", "un gato que viaja en tren"]),
-            ("Dame cinco ideas para {x}.", ["una fiesta de cumpleaños infantil", "cenas rápidas y saludables",
-                                           "un fin de semana en la montaña", "aprender idiomas sin gastar dinero"]),
-        ],
-        "to_english": [
-            "¿Podrías decirme dónde está la estación de autobuses?", "Mañana tengo una reunión muy importante con un cliente.",
-            "No me gusta el café sin azúcar.", "Hemos alquilado un piso cerca de la playa para el verano.",
-            "Mi hermana trabaja como enfermera en un hospital de Madrid.", "Si llueve el sábado, iremos al cine.",
-            "Perdona, no entendí lo que dijiste.", "La película fue más larga de lo que esperaba.",
-        ],
-        "ask_to_english": ["Traduce al inglés: {s}", "¿Cómo se traduce esta frase al inglés? «{s}»"],
-        "ask_from_english": ["¿Cómo se dice «{s}» en español?", "Traduce al español: {s}"],
-    },
-    "German": {
-        "questions": [
-            "Was ist der Unterschied zwischen „seit“ und „seid“?", "Wie kann ich meine Wohnung im Winter günstig heizen?",
-            "Welche Sehenswürdigkeiten sollte man in Hamburg unbedingt sehen?",
-            "Kannst du mir erklären, wie eine Wärmepumpe funktioniert?", "Wie lange muss man Spargel kochen?",
-            "Was sind gute Tipps, um sich bei der Arbeit besser zu konzentrieren?", "Warum gibt es Schaltjahre?",
-            "Wie schreibe ich eine gute Bewerbung?", "Welche Pflanzen eignen sich für einen Balkon ohne viel Sonne?",
-            "Was kann ich gegen Stress vor einer Prüfung tun?", "Wie funktioniert die Mülltrennung in Deutschland?",
-        ],
-        "writing": [
-            ("Schreib ein kurzes Gedicht über {x}.", ["den ersten Schnee", "eine alte Straßenbahn", "den Sonntagmorgen",
-                                                      "einen Herbstwald", "das Meer"]),
-            ("Schreib eine höfliche E-Mail, um {x}.", ["meinem Vermieter einen Wasserschaden zu melden",
-                                                       "einen Arzttermin zu verschieben", "mich bei einem Kollegen für seine Hilfe zu bedanken",
-                                                       "eine Bestellung zu stornieren", "um eine Gehaltserhöhung zu bitten"]),
-            ("Schreib eine kurze Geschichte über {x}.", ["einen Igel, der nicht schlafen kann", "eine Bäckerin, die zaubern kann",
-                                                         "einen verlorenen Schlüssel", "eine Zugfahrt durch die Alpen"]),
-            ("Gib mir drei Ideen für {x}.", ["ein Geschenk zum Muttertag", "ein schnelles Abendessen", "einen Regentag mit Kindern",
-                                            "einen Ausflug in der Nähe von München"]),
-        ],
-        "to_english": [
-            "Könnten Sie mir bitte sagen, wann der nächste Zug nach Berlin fährt?", "Ich habe meinen Regenschirm im Restaurant vergessen.",
-            "Wir sollten uns nächste Woche noch einmal treffen.", "Das Wetter ist heute viel schöner als gestern.",
-            "Meine Tochter lernt seit drei Jahren Klavier.", "Entschuldigung, ist dieser Platz noch frei?",
-            "Der Aufzug ist leider außer Betrieb.", "Wir haben das ganze Wochenende im Garten gearbeitet.",
-        ],
-        "ask_to_english": ["Übersetze ins Englische: {s}", "Was heißt dieser Satz auf Englisch? „{s}“"],
-        "ask_from_english": ["Wie sagt man „{s}“ auf Deutsch?", "Übersetze ins Deutsche: {s}"],
-    },
-    "Italian": {
-        "questions": [
-            "Come si prepara una vera carbonara?", "Quali sono i posti più belli da visitare in Toscana?",
-            "Mi spieghi in parole semplici come funziona un mutuo?", "Che cosa posso fare per smettere di procrastinare?",
-            "Qual è la differenza tra «c'è» e «ci sono»?", "Come posso tenere in vita il basilico sul balcone?",
-            "Perché la Torre di Pisa è pendente?", "Quali sono dei buoni esercizi per il mal di schiena?",
-            "Come faccio a organizzare un viaggio in treno in Europa?", "Quanto tempo ci vuole per imparare a nuotare da adulti?",
-            "Dammi qualche consiglio per parlare in pubblico senza ansia.",
-        ],
-        "writing": [
-            ("Scrivi una breve poesia {x}.", ["sul mare d'estate", "su una piazza al tramonto", "sul profumo del caffè",
-                                             "sulla nebbia di novembre", "su una vecchia bicicletta"]),
-            ("Scrivi un'e-mail gentile per {x}.", ["chiedere un giorno di ferie al mio capo", "prenotare una camera d'albergo",
-                                                  "ringraziare un'amica per il regalo", "lamentarmi di un ritardo nella consegna",
-                                                  "chiedere informazioni su un corso di cucina"]),
-            ("Scrivi un breve racconto su {x}.", ["un gatto che vive in una libreria", "un bambino che trova una chiave misteriosa",
-                                                 "un pescatore e una balena", "una nonna che impara a usare lo smartphone"]),
-            ("Dammi tre idee per {x}.", ["una cena tra amici", "un weekend a Roma", "un regalo per un collega",
-                                        "passare una domenica piovosa"]),
-        ],
-        "to_english": [
-            "Vorrei un biglietto di andata e ritorno per Milano, per favore.",
-            "Non ho ancora finito di leggere il libro che mi hai prestato.",
-            "Domani sera andiamo a mangiare una pizza con i miei cugini.", "Scusi, sa dov'è la fermata dell'autobus?",
-            "Il negozio è chiuso per ferie fino al 20 agosto.", "Mi piacerebbe imparare a suonare il violino.",
-            "Abbiamo perso il volo perché c'era troppo traffico.", "Questa zuppa è buonissima, mi dai la ricetta?",
-        ],
-        "ask_to_english": ["Traduci in inglese: {s}", "Come si traduce in inglese questa frase? «{s}»"],
-        "ask_from_english": ["Come si dice «{s}» in italiano?", "Traduci in italiano: {s}"],
-    },
-    "Portuguese": {
-        "questions": [
-            "Qual é a melhor forma de aprender inglês sozinho?", "Como faço um bolo de cenoura com cobertura de chocolate?",
-            "O que visitar em Lisboa em três dias?", "Você pode me explicar o que é a taxa de juros de forma simples?",
-            "Como posso organizar melhor a minha rotina de estudos?", "Por que o mar é salgado?",
-            "Quais são os benefícios de caminhar todos os dias?", "Qual é a diferença entre «mas» e «mais»?",
-            "Como cuidar de uma planta suculenta?", "Que dicas você dá para uma primeira viagem internacional?",
-            "Quanto tempo devo deixar o feijão de molho antes de cozinhar?",
-        ],
-        "writing": [
-            ("Escreva um poema curto sobre {x}.", ["a saudade", "uma tarde de chuva", "o cheiro do café", "a praia no inverno",
-                                                  "um velho bonde"]),
-            ("Escreva um e-mail educado para {x}.", ["pedir um dia de folga ao meu chefe", "reclamar de uma entrega atrasada",
-                                                     "agradecer a um colega pela ajuda", "marcar uma reunião com um cliente",
-                                                     "pedir informações sobre um apartamento para alugar"]),
-            ("Escreva uma pequena história sobre {x}.", ["um cachorro que se perdeu na cidade", "uma menina que queria ser astronauta",
-                                                        "um pescador e uma sereia", "um robô que aprendeu a cozinhar"]),
-            ("Me dê três ideias de {x}.", ["presente para o Dia dos Pais", "almoço rápido e saudável",
-                                          "passeio de fim de semana com crianças", "como economizar energia em casa"]),
-        ],
-        "to_english": [
-            "Você sabe a que horas abre a farmácia?", "Eu esqueci o meu guarda-chuva no táxi.",
-            "Vamos passar o Natal na casa dos meus pais este ano.", "O ônibus estava tão cheio que fui em pé o caminho todo.",
-            "Preciso de ajuda para preencher este formulário.", "Ela se formou em engenharia no ano passado.",
-            "Quanto custa esta camisa no tamanho médio?", "Estamos pensando em adotar um gato.",
-        ],
-        "ask_to_english": ["Traduza para o inglês: {s}", "Como se diz isto em inglês? «{s}»"],
-        "ask_from_english": ["Como se diz «{s}» em português?", "Traduza para o português: {s}"],
-    },
-    "Chinese": {
-        "questions": [
-            "怎样才能提高睡眠质量？", "北京有哪些值得一去的地方？", "你能用简单的话解释一下什么是通货膨胀吗？",
-            "做红烧肉需要哪些材料？步骤是什么？", "每天喝多少水比较合适？", "为什么天空是蓝色的？",
-            "学习编程应该从哪种语言开始？", "怎样才能更好地管理时间？", "“的”、“地”、“得”有什么区别？",
-            "第一次去日本旅游需要注意什么？", "如何在家里养好绿萝？",
-        ],
-        "writing": [
-            ("写一首关于{x}的短诗。", ["秋天的落叶", "故乡的月亮", "雨中的城市", "清晨的第一杯茶", "冬天的大海"]),
-            ("帮我写一封邮件，{x}。", ["向老板请一天假", "感谢同事的帮助", "向房东反映热水器坏了", "取消明天的预约",
-                                     "询问课程的报名时间"]),
-            ("写一个关于{x}的小故事。", ["一只想飞的小猫", "一个会说话的书包", "一位老爷爷和他的自行车", "一个迷路的机器人"]),
-            ("给我三个关于{x}的建议。", ["周末和朋友聚会", "送给妈妈的生日礼物", "快速又健康的晚餐", "雨天带孩子在家玩"]),
-        ],
-        "to_english": [
-            "请问最近的地铁站在哪里？", "我明天早上八点要开会，不能迟到。", "这家餐厅的饺子特别好吃。",
-            "我们打算下个月去云南旅游。", "他学中文已经三年了，说得很流利。", "对不起，我没听清楚，你能再说一遍吗？",
-            "今天太冷了，我们还是在家看电影吧。", "这本书我看了两遍，还是很喜欢。",
-        ],
-        "ask_to_english": ["把这句话翻译成英文：{s}", "请翻译成英文：{s}"],
-        "ask_from_english": ["“{s}”用中文怎么说？", "请翻译成中文：{s}"],
-    },
-    "Japanese": {
-        "questions": [
-            "よく眠るためのコツを教えてください。", "京都で一日だけ観光するなら、どこがおすすめですか？",
-            "インフレとは何か、簡単に説明してもらえますか？", "美味しいカレーの作り方を教えてください。",
-            "「は」と「が」の違いは何ですか？", "在宅勤務で集中力を保つ方法はありますか？",
-            "なぜ秋になると葉っぱの色が変わるのですか？", "初めての一人暮らしで準備しておくべきものは何ですか？",
-            "英語のリスニングを上達させるにはどうすればいいですか？", "健康のために毎日できる簡単な運動はありますか？",
-            "桜の季節に東京でおすすめの場所はどこですか？",
-        ],
-        "writing": [
-            ("{x}についての短い詩を書いてください。", ["雨の日の駅", "夏祭り", "冬の朝", "おばあちゃんの台所", "夜の海"]),
-            ("{x}メールを書いてください。", ["上司に休暇をお願いする", "取引先に納期の遅れを謝る", "友達に結婚のお祝いを伝える",
-                                          "レストランの予約をキャンセルする", "同僚に手伝ってくれたお礼を言う"]),
-            ("{x}についての短いお話を書いてください。", ["空を飛びたいペンギン", "魔法のかさ", "迷子の子猫", "話すことができるロボット"]),
-            ("{x}のアイデアを三つ教えてください。", ["雨の日に家でできる遊び", "簡単な朝ごはん", "友達への誕生日プレゼント", "週末の小旅行"]),
-        ],
-        "to_english": [
-            "すみません、駅までの道を教えていただけますか？", "明日の会議は午後三時からに変更になりました。",
-            "このラーメン屋はいつも行列ができています。", "週末は家族と一緒に海へ行く予定です。", "日本語を勉強して二年になります。",
-            "もう少しゆっくり話していただけますか？", "財布を電車の中に忘れてしまいました。", "この映画は思ったよりずっと面白かったです。",
-        ],
-        "ask_to_english": ["次の文を英語に翻訳してください：{s}", "この文を英語にしてください。「{s}」"],
-        "ask_from_english": ["「{s}」は日本語で何と言いますか？", "日本語に訳してください：{s}"],
-    },
-}
-EN_TO_ENGLISH = ["Translate to English: {s}", "Translate this into English: {s}", "What does \"{s}\" mean in English?"]
-EN_FROM_ENGLISH = ["Translate into {l}: {s}", "How do I say \"{s}\" in {l}?", "Translate this sentence into {l}, please: {s}"]
 
 
 def multilingual_templates():
@@ -2297,239 +912,6 @@ MULTILINGUAL_TEMPLATES = multilingual_templates()
 
 # ------------------------------------------------------------------------------------------ multiturn
 # (first user turn, assistant reply, follow-ups to choose from): the reply is regenerated by the target
-MT_CODE = [
-    ("How do I reverse a list in Python?",
-     "You can use slicing: `items[::-1]` returns a new reversed list. If you want to reverse the list in place, call `items.reverse()` instead.",
-     ["What's the difference between the two?", "How would I do the same in JavaScript?", "Does slicing copy the list?"]),
-    ("Write a function to check if a number is prime.",
-     "```python\ndef is_prime(n):\n    if n < 2:\n        return False\n    for i in range(2, int(n ** 0.5) + 1):\n        if n % i == 0:\n            return False\n    return True\n```\nIt only tests divisors up to the square root of n.",
-     ["Can you explain the code line by line?", "Write a couple of unit tests for it.", "What's the time complexity?"]),
-    ("How can I read a CSV file in Python?",
-     "The built-in `csv` module works well:\n```python\nimport csv\n\nwith open(\"data.csv\", newline=\"\") as f:\n    for row in csv.DictReader(f):\n        print(row)\n```\nEach row is a dictionary keyed by the header names.",
-     ["How do I do it with pandas?", "What if the file uses semicolons?", "How do I write a CSV file?"]),
-    ("What's the SQL to get the number of users per country?",
-     "```sql\nSELECT country, COUNT(*) AS users\nFROM users\nGROUP BY country\nORDER BY users DESC;\n```\nThis groups the rows by country and counts each group.",
-     ["Only show countries with more than 100 users.", "Explain GROUP BY in simple terms.", "Add the percentage of all users."]),
-    ("How do I make an HTTP request in JavaScript?",
-     "Use `fetch`, which returns a Promise:\n```javascript\nconst res = await fetch(\"https://api.example.com/items\");\nconst data = await res.json();\n```\nRemember that `await` only works inside an async function or a module.",
-     ["How do I handle errors?", "Show me a POST request with a JSON body.", "What about in Node.js?"]),
-    ("My Python script says 'list index out of range'. What does it mean?",
-     "It means you tried to access a position that doesn't exist, like `items[5]` in a list of five elements, where the valid indices are 0 to 4. Check your loop bounds or print `len(items)` just before the access.",
-     ["Give me an example that causes it.", "How do I avoid it in a for loop?", "How do I catch it with try/except?"]),
-    ("Write a bash one-liner to count files in a folder.",
-     "`ls -1 | wc -l` counts the entries in the current folder. To count only regular files, including hidden ones, use `find . -maxdepth 1 -type f | wc -l`.",
-     ["How do I include subfolders?", "Explain each part of the second command.", "Only count .jpg files."]),
-    ("Can you write a function that removes duplicates from a list but keeps the order?",
-     "```python\ndef dedupe(items):\n    return list(dict.fromkeys(items))\n```\nDictionaries keep insertion order, so the first occurrence of each item wins.",
-     ["Why does that work?", "What if the items are dictionaries?", "Add type hints and a docstring."]),
-    ("How do I sort a dictionary by its values?",
-     "`sorted(d.items(), key=lambda kv: kv[1])` gives a list of (key, value) pairs ordered by value. Wrap it in `dict(...)` if you need a dictionary again.",
-     ["And in descending order?", "Can you show a full example?", "Explain the lambda."]),
-    ("What is a Python decorator?",
-     "A decorator is a function that takes another function and returns a new one that adds behaviour, such as logging or timing. You apply it with the `@name` syntax just above a function definition.",
-     ["Give me an example.", "How do I write one that takes arguments?", "What does functools.wraps do?"]),
-    ("Write a Go function that sums a slice of ints.",
-     "```go\nfunc Sum(nums []int) int {\n    total := 0\n    for _, n := range nums {\n        total += n\n    }\n    return total\n}\n```\nIt returns 0 for an empty slice.",
-     ["Make it generic so it works for floats too.", "Write a test for it.", "How would this look in Rust?"]),
-    ("How do I create a virtual environment in Python?",
-     "Run `python -m venv .venv` in your project folder, then activate it with `source .venv/bin/activate` on macOS or Linux, or `.venv\\Scripts\\activate` on Windows. Packages you install with pip then stay inside that environment.",
-     ["How do I save the installed packages to a file?", "How do I deactivate it?", "What's the difference with conda?"]),
-    ("Give me a regex for a 5-digit US zip code.",
-     "`^\\d{5}$` matches exactly five digits. If you also want the optional ZIP+4 form, use `^\\d{5}(-\\d{4})?$`.",
-     ["How do I use it in Python?", "Explain each symbol.", "What about Canadian postal codes?"]),
-    ("Why would I use a tuple instead of a list?",
-     "Tuples are immutable, so they suit fixed records like coordinates, and they can be used as dictionary keys. Lists are better when the collection needs to grow or change.",
-     ["Are tuples faster?", "Show me an example of a tuple as a dict key.", "What's a named tuple?"]),
-    ("Write a JavaScript function that capitalizes the first letter of a string.",
-     "```javascript\nfunction capitalize(s) {\n  return s.charAt(0).toUpperCase() + s.slice(1);\n}\n```\nAn empty string comes back unchanged.",
-     ["Now capitalize every word.", "Convert it to TypeScript.", "Write it as an arrow function."]),
-    ("How do I undo my last git commit?",
-     "If you haven't pushed yet, `git reset --soft HEAD~1` removes the commit but keeps your changes staged. If the commit is already shared, use `git revert HEAD`, which adds a new commit that undoes it.",
-     ["What does --hard do instead?", "How do I undo the last three commits?", "Explain it more simply."]),
-    ("Write a Rust function that returns the largest number in a vector.",
-     "```rust\nfn largest(v: &[i32]) -> Option<i32> {\n    v.iter().copied().max()\n}\n```\nIt returns `None` for an empty slice instead of panicking.",
-     ["Explain the code.", "How do I call it and print the result?", "Make it work for any comparable type."]),
-    ("How can I time how long a function takes in Python?",
-     "Call `time.perf_counter()` before and after the function and subtract the two values. For small snippets, the `timeit` module runs the code many times and gives a more reliable number.",
-     ["Show me a decorator that does it.", "Give me a timeit example.", "Why not use time.time()?"]),
-]
-MT_CHAT = [
-    ("What's a good houseplant for a dark apartment?",
-     "A snake plant or a ZZ plant are great choices: both tolerate low light and only need water every two to three weeks. Pothos is another easy option that grows well even away from windows.",
-     ["Which one is safe for cats?", "Put that in a short list.", "How often should I water the pothos?"]),
-    ("I can't fall asleep before 2 a.m. Any tips?",
-     "Try to wake up at the same time every day, even on weekends, and get some daylight in the morning. Avoid screens and caffeine in the evening, and keep your bedroom cool and dark.",
-     ["Can you make that a simple evening routine?", "What if I work night shifts?", "Shorter please."]),
-    ("What should I pack for a weekend hiking trip?",
-     "Bring layered clothing, a rain jacket, sturdy shoes, a first-aid kit, a map or offline GPS, plenty of water and high-energy snacks. If you're staying overnight, add a sleeping bag, a headlamp and a small stove.",
-     ["Make it a checklist.", "What if it's going to snow?", "Which of these can I skip to save weight?"]),
-    ("How do I get better at remembering people's names?",
-     "Repeat the name out loud right after you hear it, and use it once more during the conversation. Linking the name to something visual about the person also helps it stick.",
-     ["Give me an example.", "Any tricks for large events?", "Why do we forget names so easily?"]),
-    ("What's the difference between weather and climate?",
-     "Weather is what the atmosphere is doing right now or over the next few days, like rain tomorrow. Climate is the average pattern of weather in a place over decades.",
-     ["Explain it to a six-year-old.", "Give me an example of each.", "Translate that into Spanish."]),
-    ("Can you recommend a few classic novels for someone who doesn't read much?",
-     "Try 'Of Mice and Men' by John Steinbeck, 'The Old Man and the Sea' by Ernest Hemingway and 'Animal Farm' by George Orwell. They're all short, gripping and easy to finish in a few evenings.",
-     ["Which one is the most uplifting?", "Anything more modern?", "Summarize Animal Farm in two sentences."]),
-    ("Why do cats purr?",
-     "Cats purr mostly when they're relaxed and content, but also when they're stressed or hurt, as a way to calm themselves. The sound comes from rapid twitching of the muscles in the larynx.",
-     ["Do big cats purr too?", "Do kittens purr from birth?", "Give me three more fun facts about cats."]),
-    ("How much should I tip in restaurants in the US?",
-     "In sit-down restaurants, 15 to 20 percent of the bill before tax is standard, and 20 percent is common for good service. At counters, tipping is optional, often a dollar or two.",
-     ["And in Japan?", "How about taxi drivers?", "Make that a quick table."]),
-    ("I want to start running. How should I begin?",
-     "Start with walk-run intervals, for example one minute of running and two minutes of walking for 20 to 30 minutes, three times a week. Increase the running part gradually over a few weeks, and get comfortable shoes.",
-     ["Make me a 4-week plan.", "What should I eat before a run?", "How do I avoid knee pain?"]),
-    ("What's the capital of Australia?",
-     "The capital of Australia is Canberra. Many people guess Sydney or Melbourne, but Canberra was chosen as a compromise between those two cities and built as a planned capital.",
-     ["When was it founded?", "What is there to see?", "Which other countries have a capital that isn't the largest city?"]),
-    ("How do vaccines work?",
-     "Vaccines show your immune system a harmless piece or version of a germ, so it learns to recognize it. If you meet the real germ later, your body can fight it off faster and better.",
-     ["Explain it like I'm five.", "Why do some need booster shots?", "Can you give me an analogy?"]),
-    ("My tomato plants have yellow leaves. What's wrong?",
-     "Yellow lower leaves are often caused by overwatering, a lack of nitrogen or a fungal disease such as early blight. Check whether the soil stays soggy and whether the yellow leaves have brown spots.",
-     ["They do have brown spots. What now?", "How often should I water them?", "Any organic fertilizer you'd suggest?"]),
-    ("What are some cheap date ideas?",
-     "You could have a picnic in a park, cook a new recipe together, visit a museum on a free day, or take a sunset walk and get ice cream. A board game night at home is also fun and costs almost nothing.",
-     ["Any ideas for a rainy day?", "Give me five more.", "Which is the most romantic?"]),
-    ("How long should I boil an egg for a runny yolk?",
-     "Put the egg into water that is already boiling and cook it for about 6 minutes, then cool it in cold water for a minute. For a firmer, jammy yolk, go for 7 to 8 minutes.",
-     ["And for hard-boiled?", "Does the size of the egg matter?", "How do I peel them easily?"]),
-    ("What's the best way to learn a new language as an adult?",
-     "Combine a little daily practice with real use: 15 to 20 minutes with an app or textbook, plus podcasts or shows in the language. Speaking early with a tutor or a language partner makes the biggest difference.",
-     ["Which apps would you suggest?", "How long until I can hold a conversation?", "Make me a weekly study plan."]),
-    ("Why is the sea salty?",
-     "Rain slowly dissolves minerals from rocks on land, and rivers carry those salts into the ocean. When seawater evaporates, the salt stays behind, so it has built up over millions of years.",
-     ["Then why aren't rivers salty?", "Which sea is the saltiest?", "Summarize that in one sentence."]),
-    ("I have a job interview tomorrow. Any last-minute advice?",
-     "Reread the job description and prepare two or three short stories that show your key skills. Look up the company briefly, have a couple of questions ready for them, and get a good night's sleep.",
-     ["How do I answer 'what's your biggest weakness'?", "What questions should I ask them?", "Turn that into a checklist."]),
-    ("Is it better to rent or buy a home?",
-     "It depends on how long you plan to stay, local prices and your savings. Buying usually pays off if you stay at least five to seven years, while renting gives flexibility and fewer surprise costs.",
-     ["What costs do people forget when buying?", "Give me a simple example with numbers.", "Shorter, please."]),
-    ("How do I get a red wine stain out of a carpet?",
-     "Blot it right away with a clean cloth, without rubbing. Then apply a mix of a tablespoon of dish soap, a tablespoon of white vinegar and two cups of warm water, blot again and rinse with cold water.",
-     ["What if the stain is already dry?", "Will that work on a sofa too?", "Put the steps in a list."]),
-    ("What causes the northern lights?",
-     "The northern lights appear when charged particles from the Sun hit gases high in Earth's atmosphere. Earth's magnetic field steers those particles toward the poles, where oxygen glows green and red and nitrogen blue and purple.",
-     ["Where is the best place to see them?", "Explain it to a child.", "When is the best time of year?"]),
-    ("Can you suggest a name for my new puppy? She's small, fluffy and white.",
-     "How about Snowball, Mochi, Cloud, Pearl or Marshmallow? Since she's small and fluffy, Mochi and Cloud are especially cute.",
-     ["Something less common?", "Any names inspired by food?", "Which is easiest to call out at the park?"]),
-    ("What are some good stretches for back pain from sitting all day?",
-     "Try the cat-cow stretch, a seated twist and child's pose, holding each for 20 to 30 seconds. Standing up to walk for a few minutes every hour helps as much as the stretches themselves.",
-     ["Describe how to do the cat-cow stretch.", "Can I do any of these at my desk?", "How often should I do them?"]),
-    ("How do I make my phone battery last longer?",
-     "Lower the screen brightness, turn off background refresh for apps you rarely use, and use dark mode if your screen is OLED. Try not to let the battery drain to 0% or sit at 100% for long periods.",
-     ["Which apps usually drain the most?", "Is it bad to charge overnight?", "Give me a numbered list."]),
-    ("Who painted the Mona Lisa?",
-     "The Mona Lisa was painted by Leonardo da Vinci, probably between 1503 and 1519. It hangs in the Louvre in Paris.",
-     ["Who was the woman in it?", "Why is it so famous?", "Tell me about another famous work of his."]),
-    ("I'm bored. What can I do this evening at home?",
-     "You could try a new recipe, start a puzzle, watch a classic movie you've never seen, or learn something small like a card trick. A short walk and a call to a friend can also lift your mood.",
-     ["Something creative?", "I'm alone, so nothing for groups.", "Just pick one for me."]),
-    ("Is coffee bad for you?",
-     "For most healthy adults, up to about three or four cups a day is considered safe and may even have some benefits. Too much can cause anxiety, poor sleep or a racing heart.",
-     ["What about green tea?", "How late in the day is it OK to drink it?", "Summarize in one sentence."]),
-    ("How can I spend less on groceries?",
-     "Plan your meals for the week and shop with a list, buy store brands, and compare unit prices rather than package prices. Cooking larger batches and freezing portions also cuts waste.",
-     ["Give me a cheap meal plan for a week.", "Which foods are best to buy frozen?", "Make it a bullet list."]),
-    ("What is the tallest mountain in the world?",
-     "Mount Everest is the tallest mountain above sea level, at about 8,849 meters. Measured from its base on the ocean floor, Mauna Kea in Hawaii is actually taller.",
-     ["How long does it take to climb Everest?", "What's the tallest mountain in Europe?", "Why is it called Everest?"]),
-    ("How do I politely say no to extra work from my boss?",
-     "Acknowledge the request, explain what you're currently working on, and ask which task should come first. For example: 'I'd like to help, but I'm finishing the report due Friday. Should I pause that for this?'",
-     ["Give me another example sentence.", "What if my boss insists?", "Make it more formal."]),
-    ("What's a good beginner workout routine?",
-     "Three full-body sessions a week are enough to start: squats, push-ups, rows, lunges and planks, two or three sets each. Rest a day between sessions and add a few reps or a little weight each week.",
-     ["Can I do it without equipment?", "How long until I see results?", "Turn it into a table."]),
-]
-MT_WRITING = [
-    ("Write a haiku about coffee.", "Steam curls from the cup,\nbitter warmth in sleepy hands,\nthe day starts to hum.",
-     ["Now one about tea.", "Make it funnier.", "Translate it into French."]),
-    ("Can you write a short birthday message for my coworker?",
-     "Happy birthday! Thanks for making our workdays brighter and our coffee breaks funnier. Wishing you a wonderful year ahead, full of good surprises.",
-     ["Make it more formal.", "Add a joke about getting older.", "Shorter please."]),
-    ("Write a two-sentence horror story.",
-     "I heard my mom calling me from the kitchen, so I ran downstairs. Halfway there, she pulled me into the closet and whispered, 'I heard it too.'",
-     ["Another one, set at sea.", "Explain why it's scary.", "Make a funny version."]),
-    ("Give me a catchy name for a bakery.",
-     "How about 'Rise & Shine Bakery'? It plays on bread rising and on starting the day, and it's easy to remember.",
-     ["Give me five more options.", "Something in French?", "Write a slogan for it."]),
-    ("Write a limerick about a cat.",
-     "There once was a cat named McGee,\nwho napped on a branch of a tree.\nWhen a bird came to call,\nhe forgot about all,\nand dropped with a thud on his knee.",
-     ["Now one about a dog.", "Make it suitable for a birthday card.", "Explain what a limerick is."]),
-    ("Help me write a short out-of-office reply.",
-     "Thank you for your email. I'm out of the office until Monday, June 10, with limited access to email. For urgent matters, please contact Sam Lee at sam.lee@example.com.",
-     ["Make it more casual.", "Add that I'm at a conference.", "Translate it into German."]),
-    ("Write the opening line of a fantasy novel.",
-     "The night the river turned silver, every clock in Emberfall stopped, and my sister vanished without leaving a single footprint in the snow.",
-     ["Continue with the next paragraph.", "Give me two alternatives.", "Make it darker."]),
-    ("Write a short product description for a bamboo toothbrush.",
-     "Brush better, waste less. Our bamboo toothbrush has a smooth, naturally antibacterial handle and soft BPA-free bristles, and the handle is fully compostable.",
-     ["Make it shorter, for Instagram.", "Add three bullet points of features.", "Make it sound more luxurious."]),
-    ("Can you write a thank-you note for a dinner party?",
-     "Thank you so much for a wonderful evening! The food was delicious, and it was such a joy to spend time together. We're already looking forward to returning the favor.",
-     ["Make it more personal: they made lasagna.", "Shorter, as a text message.", "Make it funny."]),
-    ("Write a motivational quote for Monday morning.",
-     "\"Monday isn't the start of another week; it's the first page of a new chapter. Write it well.\"",
-     ["Give me three more.", "Make it funnier.", "Now one for Friday."]),
-    ("Write a short poem about the rain.",
-     "Soft rain on the roof,\ntapping stories on the glass;\nthe street shines like silver\nwhile the slow hours pass.",
-     ["Make every line rhyme.", "Turn it into a haiku.", "Write a sad version."]),
-    ("Write a tweet announcing that our café now opens at 7 a.m.",
-     "Early birds, rejoice! Starting Monday, we open at 7 a.m., so you can grab your coffee and a warm croissant before work. See you bright and early!",
-     ["Make it shorter.", "Add a couple of hashtags.", "Write a version for LinkedIn."]),
-    ("Give me an idea for a short story.",
-     "A lighthouse keeper on a remote island starts finding letters in bottles, all in her own handwriting and dated years in the future. Each one warns her about something that happens the very next day.",
-     ["Write the first paragraph.", "Give me a different ending idea.", "Who could the villain be?"]),
-    ("Write a one-paragraph bio for a freelance photographer.",
-     "Lena Park is a freelance photographer based in Seattle who specializes in weddings and family portraits. With ten years behind the camera, she's known for relaxed sessions and natural, light-filled images.",
-     ["Write it in the first person.", "Make it shorter, for Instagram.", "Make it more playful."]),
-    ("Help me write a text to cancel plans with a friend.",
-     "Hey! I'm really sorry, but I have to cancel tonight. Something came up at work and I won't make it in time. Can we reschedule for the weekend? My treat!",
-     ["Make it less formal.", "Change the reason: I'm feeling sick.", "Make it shorter."]),
-    ("Write a riddle for kids.",
-     "I have hands but cannot clap, a face but cannot smile, and I tell you something all day long. What am I? (A clock!)",
-     ["Give me two more.", "Make one about animals.", "Make it harder."]),
-    ("Write a slogan for a recycling campaign.",
-     "\"Don't let it go to waste: give it a second life.\" It's short, positive and reminds people that recycling turns trash into something useful.",
-     ["Make it rhyme.", "Give me options for kids.", "Translate it into Spanish."]),
-    ("Write a short welcome message for new members of our book club.",
-     "Welcome to the club! We meet on the first Thursday of every month to talk about books, share snacks and argue politely about endings. We're so glad you're here.",
-     ["Add this month's book: 'Circe'.", "Make it more formal.", "Shorten it to one sentence."]),
-    ("Write a fun opening for a presentation about bees.",
-     "Did you know that a single honeybee makes only about a twelfth of a teaspoon of honey in its whole life? Today we'll see how these tiny workers keep our gardens, farms and plates full.",
-     ["Give me a strong closing line too.", "Make it for a class of 8-year-olds.", "Shorter please."]),
-    ("Describe a sunset in three sentences.",
-     "The sun slid toward the hills, melting into a pool of orange and gold. Pink clouds stretched across the sky like brushstrokes. Then the light faded to violet, and the first star appeared.",
-     ["Now describe a sunrise.", "Make it more poetic.", "Write it as a haiku."]),
-]
-MT_PHRASES = {
-    "Thank you very much": {"French": "Merci beaucoup", "Spanish": "Muchas gracias", "German": "Vielen Dank",
-                            "Italian": "Grazie mille", "Portuguese": "Muito obrigado (or obrigada, if you're a woman)"},
-    "Where is the train station?": {"French": "Où est la gare ?", "Spanish": "¿Dónde está la estación de tren?",
-                                    "German": "Wo ist der Bahnhof?", "Italian": "Dov'è la stazione?",
-                                    "Portuguese": "Onde fica a estação de trem?"},
-    "I don't understand": {"French": "Je ne comprends pas", "Spanish": "No entiendo", "German": "Ich verstehe nicht",
-                           "Italian": "Non capisco", "Portuguese": "Não entendo"},
-    "Nice to meet you": {"French": "Enchanté (or Enchantée)", "Spanish": "Mucho gusto", "German": "Freut mich",
-                         "Italian": "Piacere", "Portuguese": "Muito prazer"},
-    "How much does this cost?": {"French": "Combien ça coûte ?", "Spanish": "¿Cuánto cuesta esto?", "German": "Wie viel kostet das?",
-                                 "Italian": "Quanto costa?", "Portuguese": "Quanto custa isto?"},
-    "The check, please": {"French": "L'addition, s'il vous plaît", "Spanish": "La cuenta, por favor", "German": "Die Rechnung, bitte",
-                          "Italian": "Il conto, per favore", "Portuguese": "A conta, por favor"},
-    "Good night": {"French": "Bonne nuit", "Spanish": "Buenas noches", "German": "Gute Nacht", "Italian": "Buona notte",
-                   "Portuguese": "Boa noite"},
-}
-MT_PHRASE_NOTES = ["It's polite enough for most everyday situations.", "You'll hear it all the time in shops and restaurants.",
-                   "It's a very common expression, so you'll be understood everywhere."]
-MT_PHRASE_FOLLOWUPS = ["How do I pronounce it?", "Can you use it in a full sentence?", "Is there a more casual way to say it?",
-                       "Is that formal or informal?", "And in {other}?"]
-MT_MATH_FOLLOWUPS = ["How can I check that answer?", "Can you show each step?", "Give me a similar problem to practice.",
-                     "Explain it more simply.", "Is there a quick way to do that in my head?"]
-MT_SHARES = {"math": 50, "phrases": 30}  # the rest: one conversation per hand-written base above
 
 
 def mt_math(rng):

@@ -36,6 +36,15 @@ def _version_in(root: Path, name: str) -> str | None:
     return dist.version if dist else None
 
 
+def _package(spec: dict, key: str, name: str) -> tuple[Path | None, str | None]:
+    """(the folder holding ``name``'s package, its version): ``spec[key]`` when the caller names one (an
+    unpacked wheel), else where this python has it installed."""
+    if spec.get(key):
+        root = Path(os.path.expanduser(spec[key]))
+        return root, _version_in(root, name)
+    return _dist_root(name)
+
+
 # ------------------------------------------------------------------------------------------------
 # resolving names in a source tree
 
@@ -262,18 +271,10 @@ def check_call(call: ast.Call, sig: dict) -> list[str]:
 
 def check(spec: dict) -> dict:
     """Every vLLM import and call of speculators' data_generation code against the vLLM source."""
-    if spec.get("vllm_path"):
-        vroot = Path(os.path.expanduser(spec["vllm_path"]))
-        vver = _version_in(vroot, "vllm")
-    else:
-        vroot, vver = _dist_root("vllm")
+    vroot, vver = _package(spec, "vllm_path", "vllm")
     if vroot is None or not (vroot / "vllm").is_dir():
         return {"ok": True, "skipped": NO_VLLM, "mismatches": []}  # probe.py answers the same without loading this
-    if spec.get("speculators_path"):
-        sroot = Path(os.path.expanduser(spec["speculators_path"]))
-        sver = _version_in(sroot, "speculators")
-    else:
-        sroot, sver = _dist_root("speculators")
+    sroot, sver = _package(spec, "speculators_path", "speculators")
     if sroot is None or not (sroot / "speculators").is_dir():
         return {"ok": False, "error": "speculators is not installed on this host", "mismatches": []}
     fixes = (spec.get("fixes") or {}).get(sver or "", {})
