@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from loopback import start_hosts  # noqa: E402
+from results import record  # noqa: E402
 
 import yaml  # noqa: E402
 
@@ -209,6 +210,12 @@ def main() -> None:
         return
     print(f"ansible / ours, 1 host:      {results['ansible 1 host'] / results['ours 1 host']:.1f}x faster (bar >= 8)")
     print(f"ansible / ours, {n} hosts:     {results[f'ansible {n} hosts'] / results[f'ours {n} hosts']:.1f}x faster (bar >= 8)")
+    record("audit", [
+        ("`inv -l`", f"{results['inv -l']:.3f} s", "<= 0.15 s"),
+        ("`inv audit`, 1 loopback host", f"{results['ours 1 host']:.3f} s", "<= 0.4 s"),
+        (f"{n} hosts / 1 host", f"{results[f'ours {n} hosts'] / results['ours 1 host']:.2f}x", "<= 1.3x"),
+        ("Ansible / ours, 1 host", f"{results['ansible 1 host'] / results['ours 1 host']:.1f}x faster", ">= 8x"),
+        (f"Ansible / ours, {n} hosts", f"{results[f'ansible {n} hosts'] / results[f'ours {n} hosts']:.1f}x faster", ">= 8x")])
 
 
 if __name__ == "__main__":

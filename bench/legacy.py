@@ -64,6 +64,7 @@ def main() -> int:
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from harness.inventory import load_inventory
+    from results import record
 
     host = load_inventory(a.inventory).hosts[a.host]
     workdir, python = Path(os.path.expanduser(host.workdir)), os.path.expanduser(host.python)
@@ -73,11 +74,12 @@ def main() -> int:
     if a.fresh:
         shutil.rmtree(workdir / "runs", ignore_errors=True)
 
-    ok = True
+    ok, figures = True, []
 
     def bar(name: str, value, good: bool, want: str):
         nonlocal ok
         ok &= good
+        figures.append((name, value, want))
         print(f"{name:<34} {str(value):<28} {'-  ' if a.quick else 'ok ' if good else 'MISS'} (bar: {want})")
 
     rc, audit, _ = inv("audit", "--hosts", a.host, inventory=a.inventory)
@@ -86,7 +88,7 @@ def main() -> int:
     if rc != 0 or not isinstance(runs.get(a.host), list):
         raise SystemExit(f"inv pipeline failed on {a.host}: {json.dumps(runs.get(a.host))[:800]}")
     _, status, _ = inv("patch.status", "--hosts", a.host, inventory=a.inventory)
-    applied = [p["name"][:4] for p in status[a.host]["patches"] if p["state"] == "applied"]
+    applied = [p["name"][:4] for p in status[a.host]["packages"]["speculators"]["patches"] if p["state"] == "applied"]
     by_stage = {r["stage"]: r for r in runs[a.host]}
     extract = json.loads((workdir / "runs" / by_stage["extract"]["run_id"] / "artifacts" / "extract.json").read_text())
     metrics = json.loads((workdir / "runs" / by_stage["evaluate"]["run_id"] / "artifacts" / "metrics.json").read_text())
@@ -107,6 +109,7 @@ def main() -> int:
     bar("held-out acceptance length (k=3)", metrics["acceptance_length"],
         metrics["acceptance_length"] >= BARS["acceptance"], f">= {BARS['acceptance']}")
     print(f"{'acceptance measured with':<34} {metrics.get('measured_with')}")
+    record("legacy", [("inv pipeline wall", f"{wall / 60:.1f} min", ""), *figures], a.quick)
     return 0 if ok or a.quick else 1
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import yaml
 
+from results import record
+
 REPO = Path(__file__).resolve().parent.parent
 BARS = {"minutes": 15.0, "acceptance": 2.0, "by_hand_ratio": 1.1}
 
@@ -245,6 +247,10 @@ def main() -> int:
     print()
     for name, value, bar, ok in checks:
         print(f"{name:<20}{value}  bar {bar}  {'-' if args.quick else 'PASS' if ok else 'FAIL'}")
+    record("pipeline", [*((name, value, bar) for name, value, bar, _ in checks),
+                        *((f"{c['category']} acceptance / speedup", f"{c['acceptance_length']:.3f}"
+                           + (f" / {c['speedup']:.2f}x" if c.get("speedup") else ""), "")
+                          for c in evaluate["result"].get("categories") or [])], args.quick)
     return 0 if args.quick or all(ok for *_, ok in checks) else 1
 
 

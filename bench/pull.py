@@ -39,6 +39,7 @@ from harness import runs  # noqa: E402
 from harness.connection import open_host  # noqa: E402
 from harness.inventory import load_inventory  # noqa: E402
 from harness.pull import pull  # noqa: E402
+from results import record  # noqa: E402
 
 
 def cpu_seconds(sshd_pid: int) -> float:
@@ -149,6 +150,9 @@ def main() -> None:
     judged = (lambda ok: "quick: not judged") if args.quick else (lambda ok: "PASS" if ok else "FAIL")
     print(f"ours / plain rsync      = {r_rsync:.2f}x  (bar >= 0.90: {judged(r_rsync >= 0.9)})")
     print(f"ours / Fabric get       = {r_fabric:.2f}x  (bar >= 1.50: {judged(r_fabric >= 1.5)})")
+    record("pull", [(f"{args.size_mib} MiB pulled and verified, ours", f"{rate['ours']:.1f} MB/s", ""),
+                    ("ours / plain rsync", f"{r_rsync:.2f}x", ">= 0.90x"),
+                    ("ours / Fabric get", f"{r_fabric:.2f}x", ">= 1.50x")], args.quick)
     sys.exit(0 if args.quick or (r_rsync >= 0.9 and r_fabric >= 1.5) else 1)
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from results import record
+
 REPO = Path(__file__).resolve().parent.parent
 #: (acceptance length, speedup) each category must reach: the held-out prompts, and any other set
 BARS = {"held-out": (2.0, 1.5), "other": (1.6, 1.15)}
@@ -183,6 +185,9 @@ def main() -> int:
         results[cat] = {"speedup": round(speedup, 3), "acceptance_length": round(acceptance, 3)}
         print(f"{cat:12s} {sum(a) / len(a):9.2f} {sum(x['tokens_per_s'] for x in b) / len(b):9.2f} {speedup:7.3f}x "
               f"{acceptance:10.3f}  {'-' if args.quick else 'PASS' if good else 'FAIL'} (bars: acceptance >= {bar_acc}, speedup >= {bar_speed}x)")
+    record("serve", [(f"{cat} acceptance / speedup, batch 1", f"{r['acceptance_length']:.3f} / {r['speedup']:.3f}x",
+                      "held-out >= 2.0 / 1.5x" if cat == "held-out" else ">= 1.6 / 1.15x") for cat, r in results.items()],
+           args.quick)
     if args.narrow:
         ok &= narrow_draft_is_rolled_back(args, without_draft, status)
     if not args.keep_draft:

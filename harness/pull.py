@@ -32,6 +32,7 @@ import paramiko
 
 from harness.connection import HostConnection
 from harness.errors import HarnessError
+from harness import hostcore
 from harness.runs import FINAL, check_run_id, local_runs_dir, runctl
 
 CHUNK = 4 << 20
@@ -56,14 +57,6 @@ class PullResult:
                 "files": self.files, "left_on_host": self.left_on_host, "bytes": self.bytes,
                 "transferred": self.transferred, "seconds": round(self.seconds, 3),
                 "rate_mb_s": round(self.bytes / self.seconds / 1e6, 1) if self.seconds else None}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _Meter:
@@ -141,7 +134,7 @@ def pull(conn: HostConnection, run_id: str, dest: Path | str | None = None, *, i
                            "missing on the host")
     # already here and verified? then it is not fetched again
     todo = [r for r in take if not ((dest / r).is_file() and (dest / r).stat().st_size == files[r]["size"]
-                                    and sha256_file(dest / r) == files[r]["sha256"])]
+                                    and hostcore.sha256_file(dest / r) == files[r]["sha256"])]
     if method == "auto":
         method = "local" if conn.host.is_local else (
             "rsync" if man.get("has_rsync") and shutil.which("rsync") else "sftp")
@@ -190,7 +183,7 @@ def _verify_and_place(todo, files, staging: Path, dest: Path, digests: dict | No
         if src.is_file() and pre and pre[1] == src.stat().st_size:
             got = pre[0]
         else:
-            got = sha256_file(src) if src.is_file() else "missing"
+            got = hostcore.sha256_file(src) if src.is_file() else "missing"
         if got != files[rel]["sha256"]:
             bad.append((rel, got))
             src.unlink(missing_ok=True)  # a wrong partial must not be resumed from

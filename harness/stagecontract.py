@@ -89,7 +89,7 @@ class Contracts:
         return copy.deepcopy(out)
 
 
-#: ``_literals``' results between processes: parsing the stage files is ~20 ms of every command that
+#: ``_literals``' results between processes: parsing the stage files would be part of every command that
 #: loads the inventory (its defaults come from here), ``inv audit`` among them; a file whose size or
 #: mtime changed is parsed again
 LITERALS_CACHE = CACHE_DIR / "stage-contracts.marshal"

@@ -19,21 +19,23 @@ from invoke import Task
 from invoke.exceptions import Exit
 from invoke.parser import Argument
 
+from harness import hostcore
+
 #: help strings of the options every host task takes
 COMMON_HELP = {
     "inventory": "inventory file (default ./inventory.yaml, or $HARNESS_INVENTORY)",
     "hosts": "comma-separated host names (default: every host in the inventory)",
     "json": "print JSON only (for machines) instead of the table",
 }
-#: the progress lines a stage prints (remote/runtime/runstage.py's contract)
-PROGRESS = "@@progress "
+#: the progress lines a stage prints (the host core's marker)
+PROGRESS = hostcore.PROGRESS
 
 _consoles: dict[str, Any] = {}
 
 # At exit the interpreter's last garbage collections walk every object of every module a task loaded
-# (pydantic, paramiko, cryptography, rich): ~90 ms of a 0.8 s ``inv audit`` on a 2-core host, spent
-# after the answer is printed. Frozen objects are skipped by those passes; the modules are still torn
-# down and the streams flushed as usual.
+# (pydantic, paramiko, cryptography, rich), after the answer is printed: a noticeable share of a short
+# command. Frozen objects are skipped by those passes; the modules are still torn down and the streams
+# flushed as usual.
 atexit.register(gc.freeze)
 
 

@@ -25,12 +25,16 @@ def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = No
 
 
 def test_every_bench_has_a_quick_mode_run_by_the_suite():
-    """A new bench without a quick mode, or one no test runs, fails here."""
+    """A new bench without a quick mode, one no test runs, or one that does not record its figures in
+    bench/results.md (bench/results.py, the recorder itself, is no bench) fails here."""
     tests = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
     for bench in sorted((REPO / "bench").glob("*.py")):
+        if bench.stem == "results":
+            continue
         assert f'run_bench("{bench.stem}"' in tests, f"no test runs bench/{bench.name}"
-        if bench.stem != "plan":  # plan's bench is a quick one already (one round trip, nothing loaded)
-            assert '"--quick"' in bench.read_text(), f"bench/{bench.name} has no --quick"
+        assert "from results import record" in bench.read_text() and "record(" in bench.read_text(), \
+            f"bench/{bench.name} does not record its figures in bench/results.md"
+        assert '"--quick"' in bench.read_text(), f"bench/{bench.name} has no --quick"
 
 
 def test_audit_bench_quick():
@@ -57,6 +61,16 @@ def test_patch_bench_quick():
     assert re.search(r"gnu patch over ssh / ours: [\d.]+x faster \(bar >= 3: quick: not judged\)", out), out
 
 
+def test_results_file_names_the_machine_of_every_figure():
+    """bench/results.md, which README links: one table, each row with its date, bench, figure and the
+    machine with its CPU flags; a quick run (the suite's) adds none."""
+    text = (REPO / "bench" / "results.md").read_text()
+    rows = [l for l in text.splitlines() if l.startswith("| ") and not l.startswith("| date") and not l.startswith("| ---")]
+    cells = [[c.strip() for c in l.strip().strip("|").split("|")] for l in rows]
+    assert rows and all(len(c) == 7 and c[0] and c[2] and c[3] and "cores" in c[6] for c in cells), rows[:3]
+    assert "bench/results.md" in (REPO / "README.md").read_text()
+
+
 def test_plan_bench():
-    out = run_bench("plan")
+    out = run_bench("plan", "--quick")
     assert "bars              ~23.5 TB, free_bytes reported, exit 1: PASS" in out, out

@@ -300,9 +300,8 @@ def server_argv(config, model_path, draft, accelerator, native_bf16=True):
     """The managed server's command line. On a host without an accelerator: eager (no torch.compile
     warm-up) unless the inventory's args say otherwise, and, with a draft, on a CPU that only emulates
     bf16, ``--dtype float32`` unless they give a dtype: a step's verify pass runs k + 1 tokens through the
-    target, which emulated bf16 makes nearly k + 1 times as costly as one token, float32 not. Measured on
-    2 such cores (SmolLM2, the default draft, k = 3, one request at a time): with the draft 23.1 tokens/s
-    in float32 against 13.1 in bf16; without it bf16 is the faster, 19.1 against 15.8."""
+    target, which emulated bf16 makes nearly k + 1 times as costly as one token, float32 not (without a
+    draft emulated bf16 is the faster; bench/results.md has the figures)."""
     v = config["vllm"]
     args = list(v.get("args") or [])
     argv = [config["python"], "-m", SERVER_MODULE, "--model", model_path, "--host", v.get("host", "127.0.0.1"),

@@ -234,7 +234,7 @@ def device(cfg: Settings) -> str:
 
     if cfg.threads > 0:
         # on a CPU shared with other work, fewer intra-op threads than cores avoids OpenMP barriers
-        # waiting on descheduled threads (measured: 10x slower decode with 2 threads under load)
+        # waiting on descheduled threads (decode slows by an order of magnitude under load)
         torch.set_num_threads(cfg.threads)
     want = cfg.device
     if want == "auto":
@@ -270,8 +270,7 @@ def cpu_has_native_bf16() -> bool:
 def vllm_cpu_env(env: dict, accelerator: bool) -> dict:
     """``env`` for a vLLM server: on a CPU host of two cores or fewer, every core for vLLM's model runner.
     vLLM keeps one core of a CPU host for its engine loop, which on two leaves the runner a single
-    thread. Measured on 2 cores: 64 requests in flight at 250 tokens/s with both (float32) against 153
-    with one; one request at a time, without a draft, 19.1 against 17.1. A value already in ``env`` (the
+    thread, and the runner is where the time goes (bench/results.md). A value already in ``env`` (the
     host's env file) stays."""
     if not accelerator and (os.cpu_count() or 1) <= 2:
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -281,9 +280,8 @@ def vllm_cpu_env(env: dict, accelerator: bool) -> dict:
 def vllm_dtype(cfg: Settings, accelerator: bool) -> str | None:
     """The dtype a current-generation stage computes in, for vLLM's ``--dtype`` and speculators'
     ``--hidden-states-dtype``: ``pipeline.dtype`` when set; auto is float32 on a CPU without native bf16,
-    else None: vLLM's and speculators' own choice (bf16 for this project's models). Measured on 2 such
-    cores: 64 requests in flight through vLLM at 153 tokens/s in float32 against 60 in emulated bf16; a
-    training step of the default draft in 0.44 s against 0.98."""
+    else None: vLLM's and speculators' own choice (bf16 for this project's models). On such a CPU bf16 is
+    emulated, and both vLLM's generation and a training step run about twice as fast in float32."""
     if cfg.dtype != "auto":
         return cfg.dtype
     return None if accelerator or cpu_has_native_bf16() else "float32"
@@ -320,9 +318,9 @@ def _gguf_path(model: dict) -> Path:
 @contextlib.contextmanager
 def _gguf_read_once():
     """transformers reads a GGUF afresh for the tokenizer, the config and the weights (its metadata
-    holds the whole vocabulary: ~8 s a read for SmolLM2's 49k tokens) and rebuilds gguf's tensor-name
-    map once per module (~400 times); both are pure, so inside this block one reader per file and one
-    map per (arch, layers) serve every call: the conversion takes half the time."""
+    holds the whole vocabulary, slow to parse) and rebuilds gguf's tensor-name map once per module
+    (hundreds of times); both are pure, so inside this block one reader per file and one map per
+    (arch, layers) serve every call: the conversion takes half the time."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

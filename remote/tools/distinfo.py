@@ -1,8 +1,8 @@
 """Installed distributions read from their ``*.dist-info`` directories: version, location, RECORD.
 
 Why not ``importlib.metadata``: importing it pulls in email, zipfile, csv, pathlib, urllib and more,
-about 45 ms of a bare host's python (more than everything else the probe does), for what is one
-directory listing and two small text files. Stdlib only; shipped with the remote scripts that use it.
+more of a bare host's python than everything else the probe does, for what is one directory listing and
+two small text files. Stdlib only; shipped with the remote scripts that use it.
 
 A distribution is found the way ``importlib.metadata.distribution(name)`` finds it: the first
 ``sys.path`` entry, in order, holding ``<name>-<version>.dist-info`` (or ``.egg-info``), names

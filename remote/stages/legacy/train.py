@@ -27,7 +27,7 @@ Devices: one process on CPU or one GPU; with ``pipeline.gpus`` > 1 the stage rel
 ``torchrun`` (speculators' FSDP path). On CPU the installed speculators must carry the dense-attention
 fallback (patch 7 of the 0.3.0 series): FlexAttention has no CPU backward. On CPU the draft's forward
 is ``stages.lib.draft.loss_positions_forward``: speculators' loss, gradients and metrics, without the
-TTT work on prompt positions that no loss reads (39% less time per training step on the default); on
+TTT work on prompt positions that no loss reads (a much shorter training step); on
 GPUs speculators' own compiled forward runs.
 
 Outputs: ``checkpoint/`` (config.json + model.safetensors, loadable by speculators' from_pretrained

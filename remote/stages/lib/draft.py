@@ -41,8 +41,7 @@ def loss_positions_forward(self, hidden_states, input_ids, lengths=None, loss_ma
     default's tokens) is needed at step 0 as a key and nowhere else. This runs step 0 at every position
     (with the usual one draft layer, only the keys and values of the positions not kept), then logits
     and steps s > 0 only at the kept positions: the same loss, gradients and metrics as speculators'
-    forward (tests/test_stages.py compares them), in 39% less time per training step (the default's
-    320-token batches on 2 cores: 0.43 -> 0.26 s). Returns the draft tokens of the kept positions only
+    forward (tests/test_stages.py compares them), in much less time per training step. Returns the draft tokens of the kept positions only
     (the trainer ignores them). Bound to the model on CPU, where speculators' forward runs the dense-mask
     attention of patch 7; the mask here is a mask_mod over the kept positions for that path. Without a
     loss mask or targets (not training) it is speculators' forward.
