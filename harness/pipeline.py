@@ -27,9 +27,9 @@ from harness.runner import StageRun
 # (READS, GPU, SETTINGS; common.py's COMMON_SETTINGS), read without importing it: harness/stagecontract.py.
 # Both generations (remote/stages/legacy/, remote/stages/current/) run the same stages in the same order;
 # what each stage reads and which settings it takes are the host's generation's (``contracts(g)``).
-ORDER = stagecontract.load(generation="legacy").order
+ORDER = stagecontract.load(generation="current").order
 #: the pipeline settings every stage reads
-COMMON_SETTINGS: tuple[str, ...] = tuple(stagecontract.load(generation="legacy").common)
+COMMON_SETTINGS: tuple[str, ...] = tuple(stagecontract.load(generation="current").common)
 
 
 def contracts(generation: str, root: Path | None = None) -> stagecontract.Contracts:
@@ -51,9 +51,10 @@ def select_stages(start: str | None, stop: str | None) -> list[str]:
 DATA_SETTINGS = {"dataset": "stages/data/*.jsonl", "eval_sets": "stages/data/eval/*.jsonl"}
 
 
-def stage_code_hash(stage: str, root: Path | None = None, generation: str = "legacy") -> str:
+def stage_code_hash(stage: str, generation: str, root: Path | None = None) -> str:
     """Hash of what decides a stage's behaviour on the host: its module (of the host's generation), the
-    shared helpers and the stage library (stages/common.py, every file of stages/lib/), the runner, and
+    shared helpers and the stage library (stages/common.py, every file of stages/lib/), the runner and
+    the host core, and
     for a stage that reads prompts the shipped prompt sets (stages/data/): a changed set is a new run."""
     root = root or REMOTE_DIR
     lib = sorted(p.relative_to(root).as_posix() for p in (root / "stages" / "lib").rglob("*.py"))
@@ -62,14 +63,14 @@ def stage_code_hash(stage: str, root: Path | None = None, generation: str = "leg
     h = hashlib.sha256()
     h.update(generation.encode() + b"\0")
     for rel in (f"stages/{generation}/{stage}.py", "stages/common.py", "stages/__init__.py", *lib,
-                "runtime/runstage.py", *data):
+                "runtime/runstage.py", "hostcore.py", *data):
         p = root / rel
         if p.is_file():
             h.update(rel.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
 
-def stage_settings(inv: Inventory, stage: str, root: Path | None = None, generation: str = "legacy") -> dict:
+def stage_settings(inv: Inventory, stage: str, generation: str, root: Path | None = None) -> dict:
     """The pipeline settings ``stage`` is given: exactly those it reads, unset ones left to its defaults.
     The run spec carries only these, so the runner's spec hash and the run id agree."""
     graph = contracts(generation, root)
@@ -77,15 +78,15 @@ def stage_settings(inv: Inventory, stage: str, root: Path | None = None, generat
     return {k: every[k] for k in (*graph.common, *graph.stages[stage].settings) if k in every}
 
 
-def run_ids(inv: Inventory, root: Path | None = None, generation: str = "legacy") -> dict[str, str]:
+def run_ids(inv: Inventory, generation: str, root: Path | None = None) -> dict[str, str]:
     """The content-addressed run id of every stage, given the inventory and the host's generation (no
     host needed): the same settings on another speculators line are other runs."""
     model = inv.model.model_dump() if inv.model else None
     ids: dict[str, str] = {}
     for stage, deps in contracts(generation, root).reads.items():
-        settings = stage_settings(inv, stage, root, generation)
+        settings = stage_settings(inv, stage, generation, root)
         key = json.dumps({"stage": stage, "generation": generation,
-                          "code": stage_code_hash(stage, root, generation), "model": model,
+                          "code": stage_code_hash(stage, generation, root), "model": model,
                           "settings": settings, "inputs": {d: ids[d] for d in deps}}, sort_keys=True, default=str)
         ids[stage] = f"{stage}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return ids
@@ -166,7 +167,7 @@ def run_pipeline(conn: HostConnection, inv: Inventory, *, start: str | None = No
         # lock_wait: the previous GPU stage's wrapper may still be waiting for the service to come
         # back healthy; queue behind it rather than be refused by the host's GPU lock
         out = runner.run_stage(conn, inv, stage, run_id=rid, inputs={d: ids[d] for d in graph.reads[stage]}, gpu=gpu,
-                               extra={"generation": generation, "pipeline": stage_settings(inv, stage, None, generation)},
+                               extra={"generation": generation, "pipeline": stage_settings(inv, stage, generation)},
                                lock_wait=(conn.host.service.health_timeout + 600) if gpu and conn.host.service else 0,
                                pull=pull, dest=(dest_root / rid) if dest_root else None, on_line=on_line,
                                on_pull_progress=on_pull_progress)

@@ -7,6 +7,7 @@ host key, reached with a generated user key; several of them stand for several h
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,13 +98,19 @@ def make_venv(path: Path, *pip_args: str, system_site_packages: bool = False) ->
 @pytest.fixture(scope="session")
 def speculators_env(tmp_path_factory):
     """``get(version) -> python``: a venv with that speculators version installed from its PyPI wheel
-    (``--no-deps``: the audit and the patch tool read its files and metadata, they do not import it)."""
+    (``--no-deps``: the audit and the patch tool read its files and metadata, they do not import it).
+    The one per version is shared by the session's tests and never edited; ``fresh=True`` makes the
+    caller's own, to edit as it likes, and shares it with no one."""
     envs: dict[str, Path] = {}
 
+    def make(version: str) -> Path:
+        return make_venv(tmp_path_factory.mktemp(f"venv-spec-{version}") / "venv", "--no-deps", f"speculators=={version}")
+
     def get(version: str = "0.3.0", fresh: bool = False) -> Path:
-        if fresh or version not in envs:
-            d = tmp_path_factory.mktemp(f"venv-spec-{version}")
-            envs[version] = make_venv(d / "venv", "--no-deps", f"speculators=={version}")
+        if fresh:
+            return make(version)
+        if version not in envs:
+            envs[version] = make(version)
         return envs[version]
 
     return get
@@ -276,3 +283,39 @@ def pytest_collection_modifyitems(items):
         marker = item.get_closest_marker("timeout")
         if marker is None or (marker.args and marker.args[0] < FIRST_USE_TIMEOUT):
             item.add_marker(pytest.mark.timeout(FIRST_USE_TIMEOUT), append=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# host environments for the patch tests: speculators from PyPI, vLLM's sources, copied per test
+
+_TEMPLATES: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def env_template(tmp_path_factory):
+    """Venv templates made once per session (pip from PyPI), copied per test (a copy is cheap)."""
+    def get(version: str, vllm: str | None, system_site: bool) -> Path:
+        key = (version, vllm, system_site)
+        if key not in _TEMPLATES:
+            d = tmp_path_factory.mktemp(f"tmpl-{version}-{vllm}-{int(system_site)}") / "venv"
+            args = ["--no-deps", f"speculators=={version}"]
+            if system_site:
+                args.insert(1, "--ignore-installed")  # shadow the runner's own speculators
+            make_venv(d, *args, system_site_packages=system_site)
+            if vllm:
+                from patch_support import install_vllm_sources  # noqa: PLC0415 - it imports this module
+
+                install_vllm_sources(d / "bin" / "python", vllm)
+            _TEMPLATES[key] = d
+        return _TEMPLATES[key]
+    return get
+
+
+@pytest.fixture
+def host_env(env_template, tmp_path):
+    """``make(version, vllm=None, system_site=False) -> python``: a fresh host environment for this test."""
+    def make(version: str = "0.3.0", vllm: str | None = "0.16.0", system_site: bool = False) -> Path:
+        dst = tmp_path / f"venv-{version}"
+        shutil.copytree(env_template(version, vllm, system_site), dst, symlinks=True)
+        return dst / "bin" / "python"
+    return make

