@@ -219,7 +219,7 @@ def run_cluster_pipeline(conns: list[HostConnection], inv: Inventory, name: str,
                                    f"but it is {state}; run: inv pipeline --cluster {name} --from {d}")
 
     def settings(stage: str) -> dict:
-        return pipeline.stage_settings(inv, stage, None, "current")
+        return pipeline.stage_settings(inv, stage, "current")
 
     def inputs(stage: str, rank: int = 0) -> dict:
         return {d: (ids[d] if stage == "train" else ids[d][rank]) if PLACEMENT[d] == "sharded" else ids[d]

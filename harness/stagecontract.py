@@ -61,7 +61,7 @@ class Contracts:
     #: COMMON_SETTINGS of stages/common.py: read by every stage
     common: dict[str, Any]
     #: the generation these stages are (remote/stages/<generation>/)
-    generation: str = "legacy"
+    generation: str
 
     @property
     def order(self) -> list[str]:
@@ -247,7 +247,7 @@ def check_generation(generation: str) -> str:
     return generation
 
 
-def load(remote: Path | None = None, generation: str = "legacy") -> Contracts:
+def load(remote: Path | None = None, generation: str = "current") -> Contracts:
     """The contracts of one generation's stages under ``remote/stages`` (default: this repository's
     remote/ tree); every generation is read and checked against the others once."""
     return _cached(Path(remote or REMOTE_DIR).resolve() / "stages")[check_generation(generation)]
