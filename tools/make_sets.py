@@ -54,10 +54,7 @@ def c_py_constrained(rng):
 
 def c_systems(rng):
     lang = rng.choice(["Go", "Rust", "C"])
-    return rng.choice([
-        "Write a {l} program that {t}.", "In {l}, write code that {t}, with comments explaining each step.",
-        "Show me a {l} function that {t}.",
-    ]).format(l=lang, t=rng.choice(SYS_TASKS))
+    return rng.choice(TEMPLATES["c_systems"]).format(l=lang, t=rng.choice(SYS_TASKS))
 
 
 def c_fix_symptom(rng):
@@ -67,8 +64,7 @@ def c_fix_symptom(rng):
 
 def c_fix_find(rng):
     lang, _, code = rng.choice(BUGGY)
-    return rng.choice(["Find the bug in this {l} code:\n\n{c}", "There's a bug here. Can you spot it and fix it?\n\n{c}",
-                       "{c}\n\nWhy doesn't this work?"]).format(l=LANG_NAMES[lang], c=fence(lang, code))
+    return rng.choice(TEMPLATES["c_fix_find"]).format(l=LANG_NAMES[lang], c=fence(lang, code))
 
 
 def c_fix_story(rng):
@@ -84,8 +80,7 @@ def c_explain_lines(rng):
 
 def c_explain_short(rng):
     lang, code = rng.choice(EXPLAIN)
-    return rng.choice(["What does this {l} snippet do?\n\n{c}", "{c}\n\nWhat does this do?",
-                       "Can you explain this in one or two sentences?\n{c}"]).format(l=LANG_NAMES[lang], c=fence(lang, code))
+    return rng.choice(TEMPLATES["c_explain_short"]).format(l=LANG_NAMES[lang], c=fence(lang, code))
 
 
 def c_explain_beginner(rng):
@@ -95,24 +90,17 @@ def c_explain_beginner(rng):
 
 def c_tests_snippet(rng):
     lang, code = rng.choice(WORKING)
-    return rng.choice(["Write pytest unit tests for this function:\n\n{c}",
-                       "Write unit tests with the unittest module for the function below. Include edge cases.\n\n{c}",
-                       "{c}\n\nWhat test cases would you write for this? Give them as pytest functions."]).format(c=fence(lang, code))
+    return rng.choice(TEMPLATES["c_tests_snippet"]).format(c=fence(lang, code))
 
 
 def c_comprehension(rng):
     code = fence("python", rng.choice(LOOPS))
-    return rng.choice(["Convert this loop to a comprehension:\n\n{c}", "Can this be written as a one-liner?\n\n{c}",
-                       "Rewrite this using a list, set or dict comprehension and explain which one you chose:\n\n{c}",
-                       "{c}\n\nMake this more Pythonic."]).format(c=code)
+    return rng.choice(TEMPLATES["c_comprehension"]).format(c=code)
 
 
 def c_sql_single(rng):
     table, questions = rng.choice(SQL_TABLES)
-    return rng.choice(["Given a table {t}, write a SQL query that {q}.",
-                       "I have a table {t}. Write a query that {q}.",
-                       "SQL question: with the table {t}, how do I write a query that {q}? Use PostgreSQL."]
-                      ).format(t=table, q=rng.choice(questions))
+    return rng.choice(TEMPLATES["c_sql_single"]).format(t=table, q=rng.choice(questions))
 
 
 def c_sql_join(rng):
@@ -122,17 +110,12 @@ def c_sql_join(rng):
 
 def c_complexity_snippet(rng):
     code = fence("python", rng.choice(COMPLEXITY))
-    return rng.choice(["What is the time complexity of this function?\n\n{c}",
-                       "What's the big-O time and space complexity here? Explain briefly.\n\n{c}",
-                       "{c}\n\nCan this be made faster? What is its complexity now?"]).format(c=code)
+    return rng.choice(TEMPLATES["c_complexity_snippet"]).format(c=code)
 
 
 def c_refactor(rng):
     lang, code = rng.choice(MESSY)
-    return rng.choice(["Refactor this code to make it more readable:\n\n{c}",
-                       "How would you clean up this function?\n\n{c}",
-                       "Please refactor the following {l} code and explain what you changed.\n\n{c}"]
-                      ).format(c=fence(lang, code), l=LANG_NAMES[lang])
+    return rng.choice(TEMPLATES["c_refactor"]).format(c=fence(lang, code), l=LANG_NAMES[lang])
 
 
 def c_review(rng):
@@ -142,8 +125,7 @@ def c_review(rng):
 
 def c_type_hints(rng):
     lang, code = rng.choice(WORKING)
-    return rng.choice(["Add type hints to this function:\n\n{c}", "Add type hints and a docstring to this:\n\n{c}",
-                       "Write a Google-style docstring for this function:\n\n{c}"]).format(c=fence(lang, code))
+    return rng.choice(TEMPLATES["c_type_hints"]).format(c=fence(lang, code))
 
 
 def c_translate(rng):
@@ -154,14 +136,12 @@ def c_translate(rng):
 
 def c_concept(rng):
     lang, a, b = rng.choice(CONCEPTS)
-    return rng.choice(["What is the difference between {a} and {b} in {l}?", "{l}: when should I use {a} instead of {b}?",
-                       "Explain {a} vs {b} in {l} with a short example."]).format(a=a, b=b, l=lang)
+    return rng.choice(TEMPLATES["c_concept"]).format(a=a, b=b, l=lang)
 
 
 def c_error(rng):
     err = rng.choice(ERRORS)
-    return rng.choice(["What does this error mean and how do I fix it?\n\n```\n{e}\n```", "I keep getting `{e}`. What causes it?",
-                       "Getting this error:\n{e}\nAny idea?"]).format(e=err)
+    return rng.choice(TEMPLATES["c_error"]).format(e=err)
 
 
 def c_quick(rng):
@@ -184,53 +164,33 @@ def m_shopping(rng):
     name, item, price, n = rng.choice(NAMES), rng.choice(SHOP_ITEMS), rng.choice(PRICES), rng.randint(2, 9)
     cur = rng.choice(CURRENCIES)
     bill = next(b for b in (5, 10, 20, 50, 100, 200) if b > n * price)
-    return rng.choice([
-        "{nm} buys {n} {it} at {p} each and pays with a {b} note. How much change does {nm} get?",
-        "If one of the {it} costs {p}, how much do {n} of them cost?",
-        "{nm} has {b} and wants to buy {it} that cost {p} each. How many can {nm} afford, and how much is left over?",
-    ]).format(nm=name, n=n, it=item, p=money(price, cur), b=money(bill, cur)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_shopping"]).format(nm=name, n=n, it=item, p=money(price, cur), b=money(bill, cur)) + rng.choice(STEPS)
 
 
 def m_discount(rng):
     product, pct, cur = rng.choice(PRODUCTS_MATH), rng.choice([10, 15, 20, 25, 30, 35, 40, 50]), rng.choice(CURRENCIES)
     price = rng.choice([rng.randint(2, 60) * 5, rng.randint(10, 300) - 0.01])
     sale = price * (100 - pct) / 100
-    return rng.choice([
-        "A {pr} costs {p}. It is on sale for {q}% off. What is the sale price?",
-        "After a {q}% discount, a {pr} costs {s}. What was the original price?",
-        "A store marks a {pr} down from {p} to {s}. What percentage discount is that?",
-    ]).format(pr=product, p=money(price, cur), q=pct, s=money(round(sale, 2), cur)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_discount"]).format(pr=product, p=money(price, cur), q=pct, s=money(round(sale, 2), cur)) + rng.choice(STEPS)
 
 
 def m_tip(rng):
     people, bill, pct, cur = rng.randint(2, 8), rng.randint(30, 400) + rng.choice([0, 0.5, 0.8]), rng.choice([10, 12, 15, 18, 20]), rng.choice(CURRENCIES)
-    return rng.choice([
-        "Dinner for {k} people costs {b}. They add {q}% for the tip and split the total evenly. How much does each person pay?",
-        "My restaurant bill is {b}. How much is the tip at {q}%, and what's the total?",
-        "The bill comes to {b} before tax. Sales tax is {q}%. What's the final amount?",
-    ]).format(k=people, b=money(bill, cur), q=pct) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_tip"]).format(k=people, b=money(bill, cur), q=pct) + rng.choice(STEPS)
 
 
 def m_speed(rng):
     v = rng.choice([45, 48, 54, 60, 72, 80, 90, 96, 110])
     h = rng.choice([1.5, 2, 2.5, 3, 4, 0.75])
     mins = rng.choice([20, 25, 40, 45, 50, 75])
-    return rng.choice([
-        "A train travels {d} km in {h} hours. What is its average speed?",
-        "A cyclist rides {d2} km in {m} minutes. What is the average speed in km/h?",
-        "If you drive at {v} km/h, how long will a {d3} km trip take? Give the answer in hours and minutes.",
-        "A plane flies at {v0} km/h. How far does it go in {h} hours?",
-    ]).format(d=num(v * h), h=num(h), d2=num(round(v / 4 * mins / 60, 1)), m=mins, v=v, d3=rng.randint(50, 600),
+    return rng.choice(TEMPLATES["m_speed"]).format(d=num(v * h), h=num(h), d2=num(round(v / 4 * mins / 60, 1)), m=mins, v=v, d3=rng.randint(50, 600),
               v0=rng.choice([750, 820, 880, 900])) + rng.choice(STEPS)
 
 
 def m_meet(rng):
     v1, v2, t = rng.choice([40, 50, 60, 70]), rng.choice([55, 65, 80, 90]), rng.choice([1.5, 2, 2.5, 3])
     a, b = rng.sample(NAMES, 2)
-    return rng.choice([
-        "Two cars start {d} km apart and drive towards each other, one at {v1} km/h and the other at {v2} km/h. After how long do they meet?",
-        "{a} leaves town at 9:00 walking at 5 km/h. {b} leaves the same place at 10:00 cycling at {v} km/h along the same road. When does {b} catch up?",
-    ]).format(d=num((v1 + v2) * t), v1=v1, v2=v2, a=a, b=b, v=rng.choice([12, 15, 20])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_meet"]).format(d=num((v1 + v2) * t), v1=v1, v2=v2, a=a, b=b, v=rng.choice([12, 15, 20])) + rng.choice(STEPS)
 
 
 def m_work(rng):
@@ -245,47 +205,30 @@ def m_ages(rng):
     a, b, c = rng.sample(NAMES, 3)
     older, diff = rng.randint(10, 60), rng.randint(2, 30)
     k, y, young = rng.choice([2, 3, 4]), rng.randint(2, 10), rng.randint(4, 15)
-    return rng.choice([
-        "{a} is {d} years older than {b}. The sum of their ages is {s}. How old is each of them?",
-        "{a} is {k} times as old as {b}. In {y} years, {a} will be {t} years old. How old is {b} now?",
-        "The ages of {a}, {b} and {c} add up to {s3}. {b} is 2 years older than {c}, and {a} is 2 years older than {b}. How old is each?",
-    ]).format(a=a, b=b, c=c, d=diff, s=2 * older - diff, k=k, y=y, t=k * young + y, s3=3 * rng.randint(8, 30)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_ages"]).format(a=a, b=b, c=c, d=diff, s=2 * older - diff, k=k, y=y, t=k * young + y, s3=3 * rng.randint(8, 30)) + rng.choice(STEPS)
 
 
 def m_rect(rng):
     place, l, w = rng.choice(PLACES_MATH), rng.randint(3, 40), rng.randint(2, 25)
-    return rng.choice([
-        "A rectangular {p} is {l} m long and {w} m wide. What are its area and perimeter?",
-        "How many square tiles with {t} cm sides are needed to cover a {p} that is {l} m by {w} m?",
-        "I want to put a fence around a {p} that measures {l} m by {w} m. Fencing costs $12 per meter. How much will it cost?",
-    ]).format(p=place, l=l, w=w, t=rng.choice([20, 25, 40, 50])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_rect"]).format(p=place, l=l, w=w, t=rng.choice([20, 25, 40, 50])) + rng.choice(STEPS)
 
 
 def m_circle(rng):
     r = rng.choice([2, 3, 4.5, 5, 7, 10, 12, 15])
-    return rng.choice([
-        "What is the area of a circle with radius {r} cm? Use π ≈ 3.14.",
-        "Find the circumference of a circle whose diameter is {d} m.",
-        "A round pizza has a diameter of {d} inches. What is its area?",
-        "A circular track has a radius of {r} m. How far do you run in 4 laps?",
-    ]).format(r=num(r), d=num(2 * r)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_circle"]).format(r=num(r), d=num(2 * r)) + rng.choice(STEPS)
 
 
 def m_percent(rng):
     p, n = rng.choice([5, 12, 15, 20, 25, 35, 40, 60, 75, 120, 2.5]), rng.choice([40, 80, 150, 240, 360, 500, 1250, 84])
     a, b = rng.randint(3, 60), rng.choice([80, 120, 150, 200, 250, 400])
-    return rng.choice(["What is {p}% of {n}?", "{a} is what percent of {b}?", "Calculate {p} percent of {n}.",
-                       "{p}% of a number is {k}. What is the number?"]).format(p=num(p), n=n, a=a, b=b, k=num(p * 4)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_percent"]).format(p=num(p), n=n, a=a, b=b, k=num(p * 4)) + rng.choice(STEPS)
 
 
 def m_percent_change(rng):
     thing = rng.choice(["a liter of milk", "a monthly rent", "a bus ticket", "a concert ticket", "a share of stock", "a kilo of coffee"])
     a = rng.randint(20, 900)
     b = round(a * rng.choice([0.8, 0.85, 0.9, 1.05, 1.1, 1.2, 1.25, 1.5]))
-    return rng.choice([
-        "The price of {t} went from {a} to {b}. What is the percentage change?",
-        "Last year {t} was {a}; this year it is {b}. By what percent did it change?",
-    ]).format(t=thing, a=a, b=b) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_percent_change"]).format(t=thing, a=a, b=b) + rng.choice(STEPS)
 
 
 def _frac(rng):
@@ -296,20 +239,13 @@ def _frac(rng):
 def m_fraction(rng):
     (a, b), (c, d) = _frac(rng), _frac(rng)
     op = rng.choice(["+", "-", "×", "÷"])
-    return rng.choice(["What is {a}/{b} {o} {c}/{d}? Simplify the result.", "Calculate {a}/{b} {o} {c}/{d}.",
-                       "Work out {a}/{b} {o} {c}/{d} and give the answer as a fraction in lowest terms."]
-                      ).format(a=a, b=b, c=c, d=d, o=op) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_fraction"]).format(a=a, b=b, c=c, d=d, o=op) + rng.choice(STEPS)
 
 
 def m_fraction_word(rng):
     (a, b), (c, d) = _frac(rng), _frac(rng)
     x, y = rng.sample(NAMES, 2)
-    return rng.choice([
-        "{x} ate {a}/{b} of a pizza and {y} ate {c}/{d} of what was left. How much of the pizza remains?",
-        "A ribbon is {L} m long. {x} cuts off {a}/{b} of it. How many meters are left?",
-        "{x} read {a}/{b} of a book on Monday and {c}/{d} of it on Tuesday. What fraction is still unread?",
-        "A recipe needs {a}/{b} cup of sugar. How much sugar do you need to make {k} batches?",
-    ]).format(x=x, y=y, a=a, b=b, c=c, d=d, L=rng.choice([6, 8, 12, 15, 24]), k=rng.randint(2, 5)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_fraction_word"]).format(x=x, y=y, a=a, b=b, c=c, d=d, L=rng.choice([6, 8, 12, 15, 24]), k=rng.randint(2, 5)) + rng.choice(STEPS)
 
 
 def m_convert(rng):
@@ -372,156 +308,94 @@ def m_sequence(rng):
         seq = [n * (n + 1) // 2 for n in range(1, 7)]
         seq = seq[rng.randint(0, 1):][:5]
     shown = ", ".join(map(str, seq))
-    return rng.choice(["What is the next number in the sequence {s}, ...?", "Find the pattern: {s}, ... What comes next?",
-                       "What are the next two terms of {s}, ...? Explain the rule."]).format(s=shown)
+    return rng.choice(TEMPLATES["m_sequence"]).format(s=shown)
 
 
 def m_nth_term(rng):
     a, d, n = rng.randint(-10, 20), rng.choice([2, 3, 4, 6, 7, 10, -2]), rng.choice([10, 15, 20, 25, 50, 100])
-    return rng.choice([
-        "Find the {n}th term of the arithmetic sequence {a}, {b}, {c}, ...",
-        "What is the sum of the first {n} terms of the arithmetic sequence {a}, {b}, {c}, ...?",
-        "What is the sum of all whole numbers from 1 to {m}?", "What is the sum of the first {n} odd numbers?",
-    ]).format(n=n, a=a, b=a + d, c=a + 2 * d, m=rng.choice([50, 100, 200, 1000])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_nth_term"]).format(n=n, a=a, b=a + d, c=a + 2 * d, m=rng.choice([50, 100, 200, 1000])) + rng.choice(STEPS)
 
 
 def m_dice(rng):
-    return rng.choice([
-        "If you roll two fair dice, what is the probability that the sum is {s}?",
-        "You roll a fair six-sided die {k} times. What is the probability of getting at least one six?",
-        "What is the probability of rolling a number greater than {g} on a single die?",
-        "Two dice are rolled. What is the probability that both show the same number?",
-    ]).format(s=rng.randint(2, 12), k=rng.randint(2, 5), g=rng.randint(1, 5)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_dice"]).format(s=rng.randint(2, 12), k=rng.randint(2, 5), g=rng.randint(1, 5)) + rng.choice(STEPS)
 
 
 def m_marbles(rng):
     r, b, g = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 6)
     color = rng.choice(["red", "blue", "green"])
-    return rng.choice([
-        "A bag has {r} red, {b} blue and {g} green marbles. If you pick one at random, what is the probability it is {c}?",
-        "A bag holds {r} red, {b} blue and {g} green marbles. You draw two without putting the first back. What is the probability that both are {c}?",
-        "A jar contains {r} red and {b} blue candies. What is the probability of picking a red one, then a blue one, without replacement?",
-    ]).format(r=r, b=b, g=g, c=color) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_marbles"]).format(r=r, b=b, g=g, c=color) + rng.choice(STEPS)
 
 
 def m_coins(rng):
     n = rng.randint(3, 8)
-    return rng.choice([
-        "What is the probability of getting exactly {k} heads in {n} fair coin flips?",
-        "If you flip a coin {n} times, what is the probability that every flip is tails?",
-        "A fair coin is tossed {n} times. What's the probability of at least one head?",
-    ]).format(k=rng.randint(1, n - 1), n=n) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_coins"]).format(k=rng.randint(1, n - 1), n=n) + rng.choice(STEPS)
 
 
 def m_pythagoras(rng):
     a, b = rng.choice([(3, 4), (5, 12), (6, 8), (8, 15), (7, 24), (9, 12), (2, 5), (4, 7), (10, 10)])
-    return rng.choice([
-        "A right triangle has legs of {a} cm and {b} cm. How long is the hypotenuse?",
-        "A ladder {c} m long leans against a wall with its foot {a} m from the wall. How high up the wall does it reach?",
-        "A TV screen is {a} by {b} inches. How long is its diagonal?",
-    ]).format(a=a, b=b, c=max(a, b) + rng.randint(2, 6)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_pythagoras"]).format(a=a, b=b, c=max(a, b) + rng.randint(2, 6)) + rng.choice(STEPS)
 
 
 def m_angles(rng):
     a, b = rng.randint(20, 80), rng.randint(20, 80)
-    return rng.choice([
-        "Two angles of a triangle are {a}° and {b}°. What is the third angle?",
-        "What is the sum of the interior angles of a polygon with {n} sides?",
-        "Each angle of a regular polygon is {x}°. How many sides does it have?",
-        "Two angles are supplementary and one is {a}°. What is the other?",
-    ]).format(a=a, b=b, n=rng.randint(5, 12), x=rng.choice([108, 120, 135, 140, 144, 150])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_angles"]).format(a=a, b=b, n=rng.randint(5, 12), x=rng.choice([108, 120, 135, 140, 144, 150])) + rng.choice(STEPS)
 
 
 def m_volume(rng):
     l, w, h = rng.randint(10, 60), rng.randint(10, 40), rng.randint(5, 50)
-    return rng.choice([
-        "A box is {l} cm by {w} cm by {h} cm. What is its volume in liters?",
-        "A fish tank is {l} cm long, {w} cm wide and {h} cm tall. How many liters of water does it hold when full?",
-        "A cylinder has a radius of {r} cm and a height of {h} cm. What is its volume?",
-        "What is the volume of a cube with edges of {r} cm, and what is its surface area?",
-    ]).format(l=l, w=w, h=h, r=rng.randint(2, 12)) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_volume"]).format(l=l, w=w, h=h, r=rng.randint(2, 12)) + rng.choice(STEPS)
 
 
 def m_interest(rng):
     p, r, t, cur = rng.choice([500, 1000, 2500, 5000, 12000]), rng.choice([2, 3, 4, 5, 6.5, 8]), rng.randint(2, 10), rng.choice(CURRENCIES)
-    return rng.choice([
-        "You invest {p} at {r}% annual interest, compounded yearly. How much do you have after {t} years?",
-        "What is the simple interest on {p} at {r}% per year for {t} years?",
-        "A loan of {p} charges {r}% simple interest per year. How much is owed in total after {t} years?",
-    ]).format(p=money(p, cur), r=num(r), t=t) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_interest"]).format(p=money(p, cur), r=num(r), t=t) + rng.choice(STEPS)
 
 
 def m_stats(rng):
     xs = [rng.randint(40, 100) for _ in range(rng.randint(5, 9))]
     xs.append(rng.choice(xs))
     rng.shuffle(xs)
-    return rng.choice(["The test scores are {s}. What are the mean, median and mode?",
-                       "Find the average and the range of these numbers: {s}.",
-                       "Here are the daily temperatures this week: {s}. What is the median?"]
-                      ).format(s=", ".join(map(str, xs))) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_stats"]).format(s=", ".join(map(str, xs))) + rng.choice(STEPS)
 
 
 def m_mental(rng):
     a, b, c = rng.randint(12, 99), rng.randint(3, 48), rng.randint(2, 9)
-    return rng.choice(["What is {a} × {b}?", "{a} + {b} × {c} = ?", "Calculate {a} ÷ {c} to two decimal places.",
-                       "What's {a} squared?", "What is the square root of {sq}?", "What is {big} - {b}?", "What is 2 to the power of {c}?",
-                       "Is {a} a prime number?", "What is {a} × {b} + {c}?"]
-                      ).format(a=a, b=b, c=c, sq=rng.randint(4, 30) ** 2, big=rng.randint(100, 9999))
+    return rng.choice(TEMPLATES["m_mental"]).format(a=a, b=b, c=c, sq=rng.randint(4, 30) ** 2, big=rng.randint(100, 9999))
 
 
 def m_ratio(rng):
     a, b, x = rng.randint(1, 5), rng.randint(1, 5), rng.choice([150, 200, 300, 450, 600])
     x_, y_ = rng.sample(NAMES, 2)
-    return rng.choice([
-        "A recipe uses flour and sugar in the ratio {a}:{b}. If I use {x} g of flour, how much sugar do I need?",
-        "{p} and {q} share {m} in the ratio {a}:{b}. How much does each get?",
-        "A map has a scale of 1:{s}. Two towns are {cm} cm apart on the map. How far apart are they in real life?",
-        "If 4 workers build a wall in {d} days, how long would {w} workers take at the same rate?",
-    ]).format(a=a, b=b, x=x, p=x_, q=y_, m=money((a + b) * rng.randint(10, 60)), s=rng.choice([25000, 50000, 100000]),
+    return rng.choice(TEMPLATES["m_ratio"]).format(a=a, b=b, x=x, p=x_, q=y_, m=money((a + b) * rng.randint(10, 60)), s=rng.choice([25000, 50000, 100000]),
               cm=rng.randint(2, 15), d=rng.choice([6, 9, 12]), w=rng.choice([3, 6, 8])) + rng.choice(STEPS)
 
 
 def m_clock(rng):
     h, m = rng.randint(8, 21), rng.choice([0, 10, 15, 25, 30, 45, 50])
-    return rng.choice([
-        "A movie starts at {h}:{m:02d} and lasts {dh} hours {dm} minutes. What time does it end?",
-        "My train leaves at {h}:{m:02d} and arrives at {h2}:{m2:02d}. How long is the journey?",
-        "If it's {h}:{m:02d} now, what time will it be in {mins} minutes?",
-    ]).format(h=h, m=m, dh=rng.randint(1, 3), dm=rng.choice([5, 15, 20, 40, 55]), h2=min(h + rng.randint(1, 4), 23),
+    return rng.choice(TEMPLATES["m_clock"]).format(h=h, m=m, dh=rng.randint(1, 3), dm=rng.choice([5, 15, 20, 40, 55]), h2=min(h + rng.randint(1, 4), 23),
               m2=rng.choice([5, 20, 35, 50]), mins=rng.choice([45, 90, 135, 250]))
 
 
 def m_fuel(rng):
     cons, d, p, cur = rng.choice([4.5, 5.8, 6.5, 7.2, 8, 9.5]), rng.choice([120, 250, 340, 480, 600, 850]), rng.choice([1.45, 1.62, 1.79, 1.9]), rng.choice(["€", "£", "$"])
-    return rng.choice([
-        "My car uses {c} liters of fuel per 100 km. How much fuel do I need for a {d} km trip, and what will it cost at {p} per liter?",
-        "A car goes {mpg} miles per gallon. How many gallons does it need to drive {d} miles?",
-    ]).format(c=num(cons), d=d, p=money(p, cur), mpg=rng.choice([24, 28, 32, 40])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_fuel"]).format(c=num(cons), d=d, p=money(p, cur), mpg=rng.choice([24, 28, 32, 40])) + rng.choice(STEPS)
 
 
 def m_budget(rng):
     name, salary, cur = rng.choice(NAMES), rng.choice([1800, 2400, 3100, 4200, 5000]), rng.choice(CURRENCIES)
     r, f, s = rng.choice([25, 30, 35, 40]), rng.choice([10, 12, 15, 20]), rng.choice([5, 10, 15])
-    return rng.choice([
-        "{n} earns {m} a month. {r}% goes to rent, {f}% to food and {s}% to savings. How much is left for everything else?",
-        "{n} saves {x} every week. How many weeks until {n} has {goal}?",
-    ]).format(n=name, m=money(salary, cur), r=r, f=f, s=s, x=money(rng.choice([15, 20, 25, 35, 40]), cur),
+    return rng.choice(TEMPLATES["m_budget"]).format(n=name, m=money(salary, cur), r=r, f=f, s=s, x=money(rng.choice([15, 20, 25, 35, 40]), cur),
               goal=money(rng.choice([300, 500, 750, 1200]), cur)) + rng.choice(STEPS)
 
 
 def m_gcd(rng):
     a, b = rng.randint(6, 60), rng.randint(6, 90)
-    return rng.choice(["What is the least common multiple of {a} and {b}?", "Find the greatest common divisor of {a} and {b}.",
-                       "What is the prime factorization of {c}?", "Simplify the fraction {a}/{b}."]
-                      ).format(a=a, b=b, c=rng.choice([84, 90, 126, 180, 210, 360, 462, 1001])) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_gcd"]).format(a=a, b=b, c=rng.choice([84, 90, 126, 180, 210, 360, 462, 1001])) + rng.choice(STEPS)
 
 
 def m_slope(rng):
     x1, y1, x2, y2 = rng.randint(-5, 5), rng.randint(-5, 8), rng.randint(6, 10), rng.randint(-5, 12)
-    return rng.choice(["Find the slope of the line through ({a}, {b}) and ({c}, {d}).",
-                       "What is the equation of the line passing through ({a}, {b}) and ({c}, {d})?",
-                       "Find the distance and the midpoint between ({a}, {b}) and ({c}, {d})."]
-                      ).format(a=x1, b=y1, c=x2, d=y2) + rng.choice(STEPS)
+    return rng.choice(TEMPLATES["m_slope"]).format(a=x1, b=y1, c=x2, d=y2) + rng.choice(STEPS)
 
 
 def m_unit_price(rng):
@@ -545,9 +419,7 @@ MATH_TEMPLATES = [
 
 
 def w_story_constraint(rng):
-    return rng.choice(["Write a {n}-sentence story set in {s} that ends with a twist.",
-                       "Write a short mystery set in {s}.", "Write a 100-word story set in {s} without using the letter 'z'.",
-                       "Write a story set in {s}, told entirely in dialogue."]).format(n=rng.choice([3, 5, 6, 8]), s=rng.choice(SETTINGS))
+    return rng.choice(TEMPLATES["w_story_constraint"]).format(n=rng.choice([3, 5, 6, 8]), s=rng.choice(SETTINGS))
 
 
 def w_bedtime(rng):
@@ -556,15 +428,11 @@ def w_bedtime(rng):
 
 def w_email(rng):
     who, why = rng.choice(EMAILS)
-    return rng.choice(["Write an email to {w} {y}.", "Draft a short email to {w} {y}. {e}",
-                       "Can you help me write an email to {w}, {y}? {e}"]).format(w=who, y=why, e=rng.choice(EMAIL_EXTRAS))
+    return rng.choice(TEMPLATES["w_email"]).format(w=who, y=why, e=rng.choice(EMAIL_EXTRAS))
 
 
 def w_cover_letter(rng):
-    return rng.choice([
-        "Write a cover letter for a {j} position at {c}. I have {y} years of experience with {s}.",
-        "Help me write a short cover letter for a {j} job. I'm switching careers and my strongest skill is {s}.",
-    ]).format(j=rng.choice(JOBS), c=rng.choice(COMPANIES), y=rng.randint(1, 12), s=rng.choice(SKILLS))
+    return rng.choice(TEMPLATES["w_cover_letter"]).format(j=rng.choice(JOBS), c=rng.choice(COMPANIES), y=rng.randint(1, 12), s=rng.choice(SKILLS))
 
 
 def w_acrostic(rng):
@@ -594,8 +462,7 @@ def w_song(rng):
 
 
 def w_thank_you(rng):
-    gift = rng.choice(["a handmade scarf", "helping me move", "a book about gardening", "hosting us for the weekend",
-                       "a gift card", "looking after my dog"])
+    gift = rng.choice(TEMPLATES["w_thank_you"])
     person = rng.choice(["my aunt", "my neighbor", "a friend", "my coworker", "my grandparents"])
     return f"Write a thank-you note to {person} for {gift}."
 
@@ -645,12 +512,7 @@ def p_meeting(rng):
     people = rng.sample(FULL_NAMES, 4)
     first = [p.split()[0] for p in people]
     topic = rng.choice(["website redesign", "Q3 budget", "office move", "product launch", "hiring plan", "customer survey results"])
-    text = (f"Meeting notes - {topic} - {_date(rng)}\nAttendees: {', '.join(people)}\n"
-            f"- Agreed to {rng.choice(['push the launch by two weeks', 'keep the current budget', 'hire one more designer', 'switch to a new vendor'])}.\n"
-            f"- {first[0]} will send the updated plan by {rng.choice(DAYS)}.\n"
-            f"- {first[1]} to contact the supplier about pricing before {_date(rng)}.\n"
-            f"- {first[2]} raised concerns about the timeline; to be revisited.\n"
-            f"- Next meeting: {rng.choice(DAYS)} at {_time(rng)}.")
+    text = (f"Meeting notes - {topic} - {_date(rng)}\nAttendees: {', '.join(people)}\n" f"- Agreed to {rng.choice(['push the launch by two weeks', 'keep the current budget', 'hire one more designer', 'switch to a new vendor'])}.\n" f"- {first[0]} will send the updated plan by {rng.choice(DAYS)}.\n" f"- {first[1]} to contact the supplier about pricing before {_date(rng)}.\n" f"- {first[2]} raised concerns about the timeline; to be revisited.\n" f"- Next meeting: {rng.choice(DAYS)} at {_time(rng)}.")
     task = rng.choice([
         "List the action items as a JSON array with owner, task and deadline.",
         "Who attended this meeting, and what was decided?",
@@ -671,8 +533,7 @@ def p_news(rng):
         f"the city council approved {rng.randint(10, 60)} new electric buses, to enter service in {rng.choice(MONTHS)}",
         f"a local school won the national robotics championship, beating {rng.randint(20, 80)} other teams",
     ])
-    text = (f"{city.upper()} - In {city}, {event}. \"{rng.choice(['This is a great day for the city', 'We are proud of everyone involved', 'We expected a lot, but this exceeded everything'])},\" "
-            f"said {person}, the {rng.choice(['mayor', 'event organizer', 'fire chief', 'head teacher', 'transport director'])}.")
+    text = (f"{city.upper()} - In {city}, {event}. \"{rng.choice(['This is a great day for the city', 'We are proud of everyone involved', 'We expected a lot, but this exceeded everything'])},\" " f"said {person}, the {rng.choice(['mayor', 'event organizer', 'fire chief', 'head teacher', 'transport director'])}.")
     return "news item", text, rng.choice(TASKS["p_news"])
 
 
@@ -680,9 +541,7 @@ def p_bio(rng):
     name, city = rng.choice(FULL_NAMES), rng.choice(CITIES)
     born = rng.randint(1950, 1998)
     job = rng.choice(["architect", "marine biologist", "jazz pianist", "software engineer", "chef", "documentary filmmaker", "pediatrician"])
-    text = (f"{name} (born {born} in {city}) is a {job}. After studying at {rng.choice(['the University of Edinburgh', 'MIT', 'the Sorbonne', 'the University of Tokyo', 'McGill University'])}, "
-            f"{name.split()[0]} worked for {rng.randint(3, 12)} years at {rng.choice(COMPANY_NAMES)} before starting an independent practice in {born + rng.randint(25, 35)}. "
-            f"Awards include the {rng.choice(['Golden Compass Prize', 'National Young Innovator Award', 'Blue Ribbon Medal'])} ({born + rng.randint(30, 40)}).")
+    text = (f"{name} (born {born} in {city}) is a {job}. After studying at {rng.choice(['the University of Edinburgh', 'MIT', 'the Sorbonne', 'the University of Tokyo', 'McGill University'])}, " f"{name.split()[0]} worked for {rng.randint(3, 12)} years at {rng.choice(COMPANY_NAMES)} before starting an independent practice in {born + rng.randint(25, 35)}. " f"Awards include the {rng.choice(['Golden Compass Prize', 'National Young Innovator Award', 'Blue Ribbon Medal'])} ({born + rng.randint(30, 40)}).")
     task = rng.choice([
         "Extract name, birth year, birthplace, occupation and awards from this bio as JSON.",
         "Make a short timeline of the events in this bio.",
@@ -722,9 +581,7 @@ def p_review(rng):
 
 def p_shipping(rng):
     order, name = rng.randint(100000, 999999), rng.choice(FULL_NAMES)
-    text = (f"Hi {name.split()[0]},\nGood news! Your order #{order} has shipped with {rng.choice(['DHL', 'UPS', 'FedEx', 'Royal Mail', 'PostNL'])}. "
-            f"Tracking number: {rng.choice(['1Z', 'JD', 'RM'])}{rng.randint(10 ** 9, 10 ** 10 - 1)}. Estimated delivery: {_date(rng)}.\n"
-            f"Items: {', '.join(n for n, _ in rng.sample(RECEIPT_ITEMS, 2))}.\nShipping to: {rng.randint(1, 200)} {rng.choice(['High Street', 'Maple Ave', 'Rue Victor Hugo', 'Elm Road'])}, {rng.choice(CITIES)}")
+    text = (f"Hi {name.split()[0]},\nGood news! Your order #{order} has shipped with {rng.choice(['DHL', 'UPS', 'FedEx', 'Royal Mail', 'PostNL'])}. " f"Tracking number: {rng.choice(['1Z', 'JD', 'RM'])}{rng.randint(10 ** 9, 10 ** 10 - 1)}. Estimated delivery: {_date(rng)}.\n" f"Items: {', '.join(n for n, _ in rng.sample(RECEIPT_ITEMS, 2))}.\nShipping to: {rng.randint(1, 200)} {rng.choice(['High Street', 'Maple Ave', 'Rue Victor Hugo', 'Elm Road'])}, {rng.choice(CITIES)}")
     return "shipping email", text, rng.choice(TASKS["p_shipping"])
 
 
@@ -732,47 +589,37 @@ def p_flight(rng):
     a, b, c = rng.sample(["LHR", "JFK", "CDG", "FRA", "NRT", "DXB", "MAD", "SFO", "AMS", "IST"], 3)
     d = _date(rng)
     t1, t2 = rng.randint(6, 12), rng.randint(14, 21)
-    text = (f"Passenger: {rng.choice(FULL_NAMES).upper()}\nBooking ref: {rng.choice('QWXZ')}{rng.randint(1000, 9999)}{rng.choice('KLMP')}\n"
-            f"Flight 1: {rng.choice(['BA', 'LH', 'AF', 'KL'])}{rng.randint(100, 999)} {a} {t1:02d}:{rng.choice(['05', '25', '40'])} -> {b} {t1 + 2:02d}:{rng.choice(['10', '35', '50'])}, {d}\n"
-            f"Flight 2: {rng.choice(['EK', 'TK', 'IB', 'UA'])}{rng.randint(100, 999)} {b} {t2:02d}:{rng.choice(['00', '20', '45'])} -> {c} {rng.choice(['06:30', '09:15', '23:55'])} (+1), {d}\nBaggage: {rng.choice(['1 x 23 kg', 'cabin only', '2 x 23 kg'])}")
+    text = (f"Passenger: {rng.choice(FULL_NAMES).upper()}\nBooking ref: {rng.choice('QWXZ')}{rng.randint(1000, 9999)}{rng.choice('KLMP')}\n" f"Flight 1: {rng.choice(['BA', 'LH', 'AF', 'KL'])}{rng.randint(100, 999)} {a} {t1:02d}:{rng.choice(['05', '25', '40'])} -> {b} {t1 + 2:02d}:{rng.choice(['10', '35', '50'])}, {d}\n" f"Flight 2: {rng.choice(['EK', 'TK', 'IB', 'UA'])}{rng.randint(100, 999)} {b} {t2:02d}:{rng.choice(['00', '20', '45'])} -> {c} {rng.choice(['06:30', '09:15', '23:55'])} (+1), {d}\nBaggage: {rng.choice(['1 x 23 kg', 'cabin only', '2 x 23 kg'])}")
     return "flight itinerary", text, rng.choice(TASKS["p_flight"])
 
 
 def p_job(rng):
     title, company = rng.choice(JOB_TITLES), rng.choice(COMPANY_NAMES)
     lo = rng.randint(30, 90) * 1000
-    text = (f"{title} - {company}\nLocation: {rng.choice(CITIES)} ({rng.choice(['hybrid', 'fully remote', 'on-site'])})\n"
-            f"Salary: ${lo:,} - ${lo + rng.randint(5, 30) * 1000:,}\nRequirements: {', '.join(rng.sample(['2+ years of experience', 'SQL', 'excellent communication', 'a driving license', 'React', 'food safety certificate', 'Spanish', 'Kubernetes', 'attention to detail'], 4))}.\n"
-            f"Apply by {_date(rng)}.")
+    text = (f"{title} - {company}\nLocation: {rng.choice(CITIES)} ({rng.choice(['hybrid', 'fully remote', 'on-site'])})\n" f"Salary: ${lo:,} - ${lo + rng.randint(5, 30) * 1000:,}\nRequirements: {', '.join(rng.sample(['2+ years of experience', 'SQL', 'excellent communication', 'a driving license', 'React', 'food safety certificate', 'Spanish', 'Kubernetes', 'attention to detail'], 4))}.\n" f"Apply by {_date(rng)}.")
     return "job posting", text, rng.choice(TASKS["p_job"])
 
 
 def p_apartment(rng):
     rooms, size, rent = rng.randint(1, 4), rng.randint(35, 120), rng.randint(6, 30) * 100
-    text = (f"Bright {rooms}-bedroom flat in central {rng.choice(CITIES)}, {size} m², {rng.choice(['2nd', '3rd', '5th'])} floor "
-            f"{rng.choice(['with elevator', 'no elevator'])}. Rent {rent} per month plus {rng.randint(50, 200)} for utilities. "
-            f"Deposit: two months. Available from {_date(rng)}. {rng.choice(['Pets welcome.', 'No pets.', 'Small pets negotiable.'])} Contact {rng.choice(FULL_NAMES)}.")
+    text = (f"Bright {rooms}-bedroom flat in central {rng.choice(CITIES)}, {size} m², {rng.choice(['2nd', '3rd', '5th'])} floor " f"{rng.choice(['with elevator', 'no elevator'])}. Rent {rent} per month plus {rng.randint(50, 200)} for utilities. " f"Deposit: two months. Available from {_date(rng)}. {rng.choice(['Pets welcome.', 'No pets.', 'Small pets negotiable.'])} Contact {rng.choice(FULL_NAMES)}.")
     return "apartment listing", text, rng.choice(TASKS["p_apartment"])
 
 
 def p_event(rng):
-    text = (f"{rng.choice(EVENT_NAMES)}\nJoin us on {_date(rng)} from {_time(rng)} at {rng.choice(VENUES)}, {rng.choice(CITIES)}. "
-            f"Tickets: {rng.choice(['free', '$5', '€12', '£8 (kids free)'])}. Bring {rng.choice(['your own chair', 'a friend', 'a reusable cup'])}! "
-            f"Questions? Email {rng.choice(['info', 'events', 'hello'])}@{rng.choice(['townhub', 'greenfuture', 'pitchnight'])}.org or call 555-0{rng.randint(100, 199)}.")
+    text = (f"{rng.choice(EVENT_NAMES)}\nJoin us on {_date(rng)} from {_time(rng)} at {rng.choice(VENUES)}, {rng.choice(CITIES)}. " f"Tickets: {rng.choice(['free', '$5', '€12', '£8 (kids free)'])}. Bring {rng.choice(['your own chair', 'a friend', 'a reusable cup'])}! " f"Questions? Email {rng.choice(['info', 'events', 'hello'])}@{rng.choice(['townhub', 'greenfuture', 'pitchnight'])}.org or call 555-0{rng.randint(100, 199)}.")
     return "event announcement", text, rng.choice(TASKS["p_event"])
 
 
 def p_support(rng):
     name, issue = rng.choice(FULL_NAMES), rng.choice(SUPPORT_ISSUES)
-    text = (f"From: {name}\nSubject: {rng.choice(['Problem with my order', 'URGENT', 'Help please', 'Account issue'])}\n\n"
-            f"Hello, {issue}. Order number {rng.randint(10000, 99999)}. {rng.choice(['This is the second time I write.', 'I need this fixed before the weekend.', 'Thanks in advance.'])}")
+    text = (f"From: {name}\nSubject: {rng.choice(['Problem with my order', 'URGENT', 'Help please', 'Account issue'])}\n\n" f"Hello, {issue}. Order number {rng.randint(10000, 99999)}. {rng.choice(['This is the second time I write.', 'I need this fixed before the weekend.', 'Thanks in advance.'])}")
     return "support message", text, rng.choice(TASKS["p_support"])
 
 
 def p_recipe(rng):
     dish, ingredients = rng.choice(RECIPES)
-    text = (f"{dish.title()} (serves {rng.randint(2, 6)})\nIngredients: {'; '.join(ingredients)}.\n"
-            f"Method: Prepare everything, cook for about {rng.randint(10, 60)} minutes, then serve.")
+    text = (f"{dish.title()} (serves {rng.randint(2, 6)})\nIngredients: {'; '.join(ingredients)}.\n" f"Method: Prepare everything, cook for about {rng.randint(10, 60)} minutes, then serve.")
     return "recipe", text, rng.choice(TASKS["p_recipe"])
 
 
@@ -794,8 +641,7 @@ def p_weather(rng):
 def p_match(rng):
     home, away = rng.sample(TEAMS, 2)
     a, b = rng.sample(FULL_NAMES, 2)
-    text = (f"{home} beat {away} {rng.randint(2, 4)}-{rng.randint(0, 1)} on {rng.choice(DAYS)}. {a} opened the scoring in the "
-            f"{rng.randint(5, 40)}th minute, and {b} added a second after the break. Attendance was {rng.randint(3, 40) * 1000:,}.")
+    text = (f"{home} beat {away} {rng.randint(2, 4)}-{rng.randint(0, 1)} on {rng.choice(DAYS)}. {a} opened the scoring in the " f"{rng.randint(5, 40)}th minute, and {b} added a second after the break. Attendance was {rng.randint(3, 40) * 1000:,}.")
     return "match report", text, rng.choice(TASKS["p_match"])
 
 
@@ -807,9 +653,7 @@ def p_survey(rng):
 
 def p_invoice(rng):
     hours, rate = rng.randint(5, 60), rng.choice([45, 60, 75, 90, 120])
-    text = (f"INVOICE #{rng.randint(2024001, 2024999)}\nFrom: {rng.choice(FULL_NAMES)}, freelance {rng.choice(['designer', 'translator', 'developer', 'photographer'])}\n"
-            f"To: {rng.choice(COMPANY_NAMES)}\nIssued: {_date(rng)}  Due: 30 days\n"
-            f"{hours} hours x ${rate}/h = ${hours * rate:,}\nExpenses: ${rng.randint(0, 300)}\nVAT: {rng.choice([0, 10, 20])}%")
+    text = (f"INVOICE #{rng.randint(2024001, 2024999)}\nFrom: {rng.choice(FULL_NAMES)}, freelance {rng.choice(['designer', 'translator', 'developer', 'photographer'])}\n" f"To: {rng.choice(COMPANY_NAMES)}\nIssued: {_date(rng)}  Due: 30 days\n" f"{hours} hours x ${rate}/h = ${hours * rate:,}\nExpenses: ${rng.randint(0, 300)}\nVAT: {rng.choice([0, 10, 20])}%")
     return "invoice", text, rng.choice(TASKS["p_invoice"])
 
 
@@ -822,9 +666,7 @@ def p_schedule(rng):
 
 
 def p_appointment(rng):
-    text = (f"Reminder: {rng.choice(FULL_NAMES)}, you have an appointment with Dr. {rng.choice(FULL_NAMES).split()[1]} "
-            f"({rng.choice(['dermatology', 'dentistry', 'physiotherapy', 'eye clinic'])}) on {_date(rng)} at {_time(rng)}, "
-            f"{rng.choice(CLINICS)}. Please arrive 10 minutes early and bring your insurance card. To cancel, reply NO at least 24 hours before.")
+    text = (f"Reminder: {rng.choice(FULL_NAMES)}, you have an appointment with Dr. {rng.choice(FULL_NAMES).split()[1]} " f"({rng.choice(['dermatology', 'dentistry', 'physiotherapy', 'eye clinic'])}) on {_date(rng)} at {_time(rng)}, " f"{rng.choice(CLINICS)}. Please arrive 10 minutes early and bring your insurance card. To cancel, reply NO at least 24 hours before.")
     return "appointment reminder", text, rng.choice(TASKS["p_appointment"])
 
 
@@ -841,9 +683,7 @@ def p_bank(rng):
 
 def p_hotel(rng):
     nights = rng.randint(1, 7)
-    text = (f"Booking confirmed! Guest: {rng.choice(FULL_NAMES)}. Hotel {rng.choice(['Aurora', 'Bellevue', 'Harborview', 'Sakura Inn'])}, {rng.choice(CITIES)}. "
-            f"Check-in {_date(rng)} from 15:00, {nights} night{'s' if nights > 1 else ''}. Room: {rng.choice(['double', 'twin', 'single', 'family suite'])}, "
-            f"{rng.choice(['breakfast included', 'room only'])}. Total: ${nights * rng.randint(70, 260)}. Free cancellation until 48 hours before arrival.")
+    text = (f"Booking confirmed! Guest: {rng.choice(FULL_NAMES)}. Hotel {rng.choice(['Aurora', 'Bellevue', 'Harborview', 'Sakura Inn'])}, {rng.choice(CITIES)}. " f"Check-in {_date(rng)} from 15:00, {nights} night{'s' if nights > 1 else ''}. Room: {rng.choice(['double', 'twin', 'single', 'family suite'])}, " f"{rng.choice(['breakfast included', 'room only'])}. Total: ${nights * rng.randint(70, 260)}. Free cancellation until 48 hours before arrival.")
     return "booking confirmation", text, rng.choice(TASKS["p_hotel"])
 
 
@@ -856,8 +696,7 @@ def p_sensor(rng):
 def p_chat(rng):
     a, b, c = rng.sample(NAMES, 3)
     place = rng.choice(["the pizza place on Main St", "the lake", "Café Luna", "the cinema", "my place"])
-    text = (f"{a}: are we still on for {rng.choice(DAYS)}?\n{b}: yes! {_time(rng)} at {place}?\n"
-            f"{c}: I can only come after 8, is that ok\n{a}: sure. I'll book a table for {rng.randint(3, 6)}\n{b}: don't forget it's {rng.choice(NAMES)}'s birthday")
+    text = (f"{a}: are we still on for {rng.choice(DAYS)}?\n{b}: yes! {_time(rng)} at {place}?\n" f"{c}: I can only come after 8, is that ok\n{a}: sure. I'll book a table for {rng.randint(3, 6)}\n{b}: don't forget it's {rng.choice(NAMES)}'s birthday")
     return "group chat", text, rng.choice(TASKS["p_chat"])
 
 
@@ -869,10 +708,7 @@ PASSAGES = [p_receipt, p_meeting, p_news, p_bio, p_product, p_logs, p_review, p_
 def extraction_template(passage):
     def template(rng):
         label, text, task = passage(rng)
-        return rng.choice([
-            "{t}\n\n{p}", "{p}\n\n{t}", "{t}\n\nText:\n\"\"\"\n{p}\n\"\"\"", "Here is {a} {l}:\n\n{p}\n\n{t}",
-            "{t} Use only the information given.\n\n---\n{p}\n---",
-        ]).format(t=task, p=text, l=label, a="an" if label[0] in "aeiou" else "a")
+        return rng.choice(TEMPLATES["extraction_template"]).format(t=task, p=text, l=label, a="an" if label[0] in "aeiou" else "a")
     template.__name__ = "x_" + passage.__name__[2:]
     return template
 
