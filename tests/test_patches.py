@@ -329,6 +329,9 @@ def test_version_without_series_refused_in_one_line(sshd, host_env, tmp_path):
         assert "speculators 0.3.0 is installed" in res.message and "speculators 0.4.0.1" in res.message
         assert "\n" not in res.message
     assert record_exact(py) == []
+    # the last resort needs no series: the wheel itself is reinstalled
+    rb = spec_of(hp.run_op(inv_obj, hosts, "rollback", root=root, reinstall=True)["gpu1"])
+    assert rb["reinstalled"] is True and record_exact(py) == []
 
 
 # ------------------------------------------------------------------------------------------------

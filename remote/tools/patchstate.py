@@ -163,10 +163,11 @@ def no_patch_set(package: str, version: str | None = None, site: str | None = No
             "state": "no patch set", "changed": False, "message": f"no patch set for {what}", "patches": []}
 
 
-def targets(spec: dict, required: bool = True) -> list[tuple[str, Target | None, dict | None]]:
+def targets(spec: dict, need_series: bool = True) -> list[tuple[str, Target | None, dict | None]]:
     """``[(package, Target or None, its "no patch set" answer or None)]`` for the spec's ``packages``,
-    in order, sharing this call's facts (probed once) and workdir. A package marked ``required`` (and
-    ``required`` here) that is not installed or has no series for its version is refused."""
+    in order, sharing this call's facts (probed once) and workdir. A package marked ``required`` that is
+    not installed is refused, and so is one without a series for its version unless ``need_series`` is
+    off (a wheel reinstall needs none): then it comes back as a Target without a series."""
     facts = host_facts(spec)
     out, seen = [], set()
     for i, entry in enumerate(spec.get("packages") or []):
@@ -179,7 +180,7 @@ def targets(spec: dict, required: bool = True) -> list[tuple[str, Target | None,
         seen.add(name)
         sub = {k: v for k, v in spec.items() if k != "packages"}
         sub.update(package=name, series=entry.get("series") or {}, facts=facts)
-        must = required and bool(entry.get("required"))
+        must = bool(entry.get("required"))
         try:
             target = Target(sub)
         except Refused:
@@ -187,7 +188,9 @@ def targets(spec: dict, required: bool = True) -> list[tuple[str, Target | None,
                 raise
             out.append((name, None, no_patch_set(name, available=sorted(sub["series"], key=_vtuple))))
             continue
-        if target.series is None:
+        if target.series is None and must and not need_series:
+            out.append((name, target, None))
+        elif target.series is None:
             if must:
                 target.require_series()
             out.append((name, None, no_patch_set(name, target.version, str(target.site), target.available)))

@@ -151,10 +151,10 @@ def _named(target: Target, e) -> str:
     return f"{target.label}: {e}"
 
 
-def _selected(spec: dict, required: bool = True) -> tuple[list[Target], dict[str, dict], list[str]]:
+def _selected(spec: dict, need_series: bool = True) -> tuple[list[Target], dict[str, dict], list[str]]:
     """(the packages that have a series here, the "no patch set" answers of the others, every name in
-    spec order)."""
-    found = targets(spec, required)
+    spec order); without ``need_series``, a required package comes in without one too."""
+    found = targets(spec, need_series)
     return ([t for _, t, _ in found if t is not None], {n: none for n, t, none in found if t is None},
             [n for n, _, _ in found])
 
@@ -269,7 +269,7 @@ def rollback(spec: dict) -> dict:
     packages already restored). ``reinstall``: a required package's wheel is reinstalled; another
     package's only when a file of it cannot be restored from its backups."""
     force, reinstall = bool(spec.get("force")), bool(spec.get("reinstall"))
-    ts, absent, order = _selected(spec, required=not reinstall)
+    ts, absent, order = _selected(spec, need_series=not reinstall)
     required = {e.get("package") for e in spec.get("packages") or [] if e.get("required")}
     with Locks(ts):
         recovered = _recover_all(ts)
