@@ -114,9 +114,9 @@ def _plan_apply(target: Target) -> PackagePlan:
     the manifest and the file changes. Run for every package first, so that a refusal of any of
     them leaves the whole host untouched."""
     rows, files, todo, _ = _pending(target)
-    plan = PackagePlan(target, rows, todo=todo, old_manifest=read_json(target.envdir / "manifest.json"))
+    pkg = PackagePlan(target, rows, todo=todo, old_manifest=read_json(target.envdir / "manifest.json"))
     if not todo:
-        return plan
+        return pkg
     staged = _stage_apply(target, todo, files)
     # byte-exact pristine backups (kept from an earlier partial apply, else taken now)
     for rel, f in files.items():
@@ -126,10 +126,10 @@ def _plan_apply(target: Target) -> PackagePlan:
         cur = target.path(rel).read_bytes()
         if sha256_hex(cur) != f["pristine"]:
             cur = _reverse_to_pristine(target, rel, cur)
-        plan.backups[rel] = cur
-    old = plan.old_manifest or {}
+        pkg.backups[rel] = cur
+    old = pkg.old_manifest or {}
     order = [p["name"] for p in target.series["patches"]]
-    plan.manifest = {
+    pkg.manifest = {
         "package": target.package, "version": target.version, "site": str(target.site),
         "python": sys.executable, "env_id": target.env_id, "facts": target.facts,
         "applied": sorted(set(old.get("applied", [])) | {p["name"] for p in todo}, key=order.index),
@@ -137,14 +137,15 @@ def _plan_apply(target: Target) -> PackagePlan:
                   for rel, f in files.items()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    plan.changes = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel],
-                        "before": target.path(rel).read_bytes()}
-                       for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
-    check_writable(target, [c["rel"] for c in plan.changes])
-    return plan
+    pkg.changes = [{"rel": rel, "from": files[rel]["sha256"], "to": sha256_hex(staged[rel]), "data": staged[rel],
+                     "before": target.path(rel).read_bytes()}
+                    for rel in files if sha256_hex(staged[rel]) != files[rel]["sha256"]]
+    check_writable(target, [c["rel"] for c in pkg.changes])
+    return pkg
 
 
-
+# ------------------------------------------------------------------------------------------------
+# the operations
 
 def _named(target: Target, e) -> str:
     """A refusal's line, naming the package it is about."""
@@ -198,13 +199,13 @@ def plan(spec: dict) -> dict:
     return _answer("plan", order, results, absent)
 
 
-def _undo(plan: PackagePlan) -> None:
+def _undo(pkg: PackagePlan) -> None:
     """Take back what this call's transaction did to one package: its files to the bytes they had
     before, its backups and manifest as they were (a journaled transaction of its own)."""
-    for rel, data in plan.restore_backups.items():
-        write_bytes(plan.target.envdir / "backup" / rel, data, None, durable=True)
-    back = [{"rel": c["rel"], "from": c["to"], "to": c["from"], "data": c["before"]} for c in plan.changes]
-    transact(plan.target, "undo", back, plan.old_manifest)
+    for rel, data in pkg.restore_backups.items():
+        write_bytes(pkg.target.envdir / "backup" / rel, data, None, durable=True)
+    back = [{"rel": c["rel"], "from": c["to"], "to": c["from"], "data": c["before"]} for c in pkg.changes]
+    transact(pkg.target, "undo", back, pkg.old_manifest)
 
 
 def _commit(plans: dict[str, PackagePlan], op: str, write: Callable[[PackagePlan], None]) -> None:
@@ -391,17 +392,17 @@ def _plan_rollback(target: Target, force: bool, reinstall_ok: bool = False) -> P
                                         for f in backups.rglob("*") if f.is_file()} if backups.is_dir() else {})
 
 
-def _rollback_result(t: Target, plan: PackagePlan, recovered: str | None) -> dict:
+def _rollback_result(t: Target, pkg: PackagePlan, recovered: str | None) -> dict:
     base = {"package": t.package, "recovered": recovered, "installed": t.version, "site": str(t.site)}
-    if not plan.changes:
-        return {**base, "changed": False, "patches": plan.rows,
+    if not pkg.changes:
+        return {**base, "changed": False, "patches": pkg.rows,
                 "message": "nothing changed: every file already matches pip's RECORD"}
-    bad = _record_check(t, [c["rel"] for c in plan.changes])
+    bad = _record_check(t, [c["rel"] for c in pkg.changes])
     if bad:
         raise Refused(f"after rollback {', '.join(bad)} do not match pip's RECORD")
     rows, _, _ = patch_states(t)
-    return {**base, "changed": True, "restored": [c["rel"] for c in plan.changes], "forced": plan.drifted,
-            "message": f"restored {len(plan.changes)} files; each matches pip's RECORD", "patches": rows}
+    return {**base, "changed": True, "restored": [c["rel"] for c in pkg.changes], "forced": pkg.drifted,
+            "message": f"restored {len(pkg.changes)} files; each matches pip's RECORD", "patches": rows}
 
 
 # ------------------------------------------------------------------------------------------------
