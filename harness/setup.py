@@ -13,7 +13,11 @@ re-attaches to it, and once it has finished, pip finds everything installed and 
 from __future__ import annotations
 
 import base64
+import json
 import shlex
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from harness import REQUIREMENTS_DIR
@@ -55,6 +59,31 @@ def split_requirements(text: str) -> tuple[str, str]:
         (nodeps if line.rstrip().endswith(NO_DEPS) else normal).append(line.split(NO_DEPS)[0].rstrip())
     nodeps = [l for l in nodeps if l.strip()]
     return "\n".join(normal) + "\n", ("\n".join(nodeps) + "\n") if nodeps else ""
+
+
+def resolve_profile(path: Path) -> dict[str, str]:
+    """What ``inv setup`` would install from a profile, resolved by pip against the registry without
+    installing anything (``pip install --dry-run --ignore-installed --report``): {distribution: version}.
+    A pin that cannot install fails here, in one line naming the profile and pip's reason, rather than
+    in a user's setup. Resolved for this machine's Python and platform."""
+    normal, nodeps = split_requirements(path.read_text())
+    got: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="eh-resolve-") as tmp:
+        for part, reqs, extra in (("requirements", normal, []), ("no-deps requirements", nodeps, ["--no-deps"])):
+            if not reqs.strip():
+                continue
+            req, report = Path(tmp) / f"{part}.txt", Path(tmp) / f"{part}.json"
+            req.write_text(reqs)
+            res = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                                  "--disable-pip-version-check", "--report", str(report), *extra, "-r", str(req)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                why = [l for l in res.stderr.splitlines() if l.startswith("ERROR")] or res.stderr.strip().splitlines()[-1:]
+                raise HarnessError(f"profile {path.name}: pip cannot resolve its {part}: "
+                                   f"{why[0] if why else f'exit {res.returncode}'}")
+            for item in json.loads(report.read_text())["install"]:
+                got[item["metadata"]["name"].lower().replace("_", "-")] = item["metadata"]["version"]
+    return got
 
 
 def setup_script(host: HostSpec, requirements: str, base_python: str = "python3") -> str:

