@@ -125,7 +125,22 @@ def _patch_payload() -> dict[str, dict[str, Any]]:
     with _PAYLOAD_LOCK:
         if key not in _PAYLOAD:
             _PAYLOAD.clear()
-            _PAYLOAD[key] = _on_disk(key, patches.build_payloads)
+            _PAYLOAD[key] = _on_disk("patch-payloads", key, patches.build_payloads)
+        return _PAYLOAD[key]
+
+
+def _vllm_uses() -> list[dict]:
+    """``generations.vllm_uses()`` (the stages' and the runtime's uses of vLLM, read with ast), kept like
+    the payloads: reading the code costs more than the rest of a one-host audit's workstation side."""
+    from harness import REMOTE_DIR, generations  # noqa: PLC0415
+
+    files = [Path(generations.__file__), REMOTE_DIR / "tools" / "vllmuses.py",
+             *(f for d in (*generations.RUNTIME_CODE, *(d for ds in generations.STAGE_CODE.values() for d in ds))
+               for f in sorted((REMOTE_DIR / d).glob("*.py")))]
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    with _PAYLOAD_LOCK:
+        if key not in _PAYLOAD:
+            _PAYLOAD[key] = _on_disk("vllm-uses", key, generations.vllm_uses)
         return _PAYLOAD[key]
 
 
@@ -133,10 +148,10 @@ def _patch_payload() -> dict[str, dict[str, Any]]:
 PAYLOAD_CACHE = CACHE_DIR
 
 
-def _on_disk(key: tuple, build) -> dict[str, Any]:
-    """``build()``'s JSON under ``PAYLOAD_CACHE``, named by ``key``'s hash; built and written (atomically,
-    the older ones removed) when absent or unreadable. A cache that cannot be written is no error."""
-    name = "patch-payloads-" + hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".json"
+def _on_disk(prefix: str, key: tuple, build) -> Any:
+    """``build()``'s JSON under ``PAYLOAD_CACHE``, named by ``prefix`` and ``key``'s hash; built and written
+    (atomically, the older ones removed) when absent or unreadable. A cache that cannot be written is no error."""
+    name = f"{prefix}-" + hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".json"
     path = PAYLOAD_CACHE / name
     try:
         return json.loads(path.read_text())
@@ -144,7 +159,7 @@ def _on_disk(key: tuple, build) -> dict[str, Any]:
         pass
     payloads = build()
     if write_cache(path, json.dumps(payloads).encode()):
-        for old in PAYLOAD_CACHE.glob("patch-payloads-*.json"):
+        for old in PAYLOAD_CACHE.glob(f"{prefix}-*.json"):
             if old != path:
                 old.unlink(missing_ok=True)
     return payloads
@@ -166,8 +181,9 @@ def _add_patch_checks(host: HostSpec, spec: dict) -> None:
         spec["patches_error"] = str(e)
         return
     spec["patches"] = patches.host_spec(host, "status", payloads, required=())  # facts, not a refusal
-    # the preflight checks speculators' calls into vLLM: only its patches fix those
-    spec["apicheck"] = {"fixes": patches.api_fixes(payloads[patches.REQUIRED])}
+    # the preflight checks speculators' calls into vLLM (only its patches fix those) and what the stages
+    # and the runtime ask of the vLLM server (flags, configs, routes, request fields, metrics)
+    spec["apicheck"] = {"fixes": patches.api_fixes(payloads[patches.REQUIRED]), "uses": _vllm_uses()}
 
 
 def _patch_rows(prefix: str, rows: list[dict]) -> list[Check]:
@@ -222,5 +238,6 @@ def _patch_checks(facts: dict) -> list[Check]:
                              f"{len(api['mismatches'])} mismatches with vLLM {api['vllm']}, e.g. {first['where']}: "
                              f"{first['problem']}" + (f" (fixed by {first['fixed_by']})" if first.get("fixed_by") else "")))
         else:
-            out.append(Check("vLLM API preflight", "pass", f"{api['calls_checked']} vLLM calls match vLLM {api['vllm']}"))
+            out.append(Check("vLLM API preflight", "pass", f"{api['calls_checked']} vLLM calls and {api.get('uses_checked', 0)} "
+                                                             f"uses of its server match vLLM {api['vllm']}"))
     return out

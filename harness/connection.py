@@ -47,7 +47,7 @@ REMOTE_DEPS: dict[str, tuple[str, ...]] = {
     "patchtool": ("patchstate", "diffapply", "filetxn", "probe", "distinfo"),
     "filetxn": ("patchstate", "probe", "distinfo"),
     "patchstate": ("probe", "distinfo"),
-    "apicheck": ("distinfo",),
+    "apicheck": ("distinfo", "vllmuses"),
     "runctl": ("probe", "distinfo"),
     "plan": ("probe", "runctl", "distinfo"),
 }

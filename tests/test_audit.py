@@ -664,14 +664,14 @@ def test_patch_payloads_are_kept_on_disk_until_a_series_file_changes(tmp_path, m
         built.append(1)
         return {"speculators": {"series": [len(built)]}}
 
-    assert audit._on_disk(("a", 1, 2), build) == {"speculators": {"series": [1]}}
-    assert audit._on_disk(("a", 1, 2), build) == {"speculators": {"series": [1]}} and len(built) == 1
-    assert audit._on_disk(("a", 1, 3), build) == {"speculators": {"series": [2]}}  # a file changed
+    assert audit._on_disk("patch-payloads", ("a", 1, 2), build) == {"speculators": {"series": [1]}}
+    assert audit._on_disk("patch-payloads", ("a", 1, 2), build) == {"speculators": {"series": [1]}} and len(built) == 1
+    assert audit._on_disk("patch-payloads", ("a", 1, 3), build) == {"speculators": {"series": [2]}}  # a file changed
     files = list((tmp_path / "cache").glob("patch-payloads-*.json"))
     assert len(files) == 1
     files[0].write_text("{broken")
-    assert audit._on_disk(("a", 1, 3), build) == {"speculators": {"series": [3]}}
+    assert audit._on_disk("patch-payloads", ("a", 1, 3), build) == {"speculators": {"series": [3]}}
     # the real payloads round-trip the cache unchanged
     from harness import patches
-    real = audit._on_disk(("real",), patches.build_payloads)
-    assert audit._on_disk(("real",), lambda: None) == real == patches.build_payloads()
+    real = audit._on_disk("patch-payloads", ("real",), patches.build_payloads)
+    assert audit._on_disk("patch-payloads", ("real",), lambda: None) == real == patches.build_payloads()

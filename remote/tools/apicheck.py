@@ -10,7 +10,13 @@ and, when the patch series knows it, the patch that fixes it.
 Spec keys: ``vllm_path`` (a directory holding the ``vllm/`` package, e.g. an unpacked wheel; default:
 the host's installed vLLM, found from its dist-info or find_spec without importing it),
 ``speculators_path`` (likewise for ``speculators/``), ``subdir`` (default data_generation),
-``fixes`` ({speculators version: {api name: patch name}}).
+``fixes`` ({speculators version: {api name: patch name}}), ``uses`` (what the harness's stages ask of
+vLLM, collected by vllmuses.py: ``[{"speculators": [first, stop], "uses": [...]}]``, each list checked on a
+host whose speculators version is in ``[first, stop)``).
+
+Today's stages and speculators 0.5+ drive vLLM as a server rather than importing it: their uses (flags,
+config keys and values, routes, request fields, metric names; vllmuses.py) are looked up in the vLLM
+tree's own definitions (``VllmIndex``), and speculators' own are collected from its installed source.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import sys
 from pathlib import Path
 
 import distinfo
+import vllmuses
 
 NO_VLLM = "vLLM is not installed on this host: nothing to check"
 
@@ -268,6 +275,144 @@ def check_call(call: ast.Call, sig: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# a vLLM tree's command line, configs, routes, request fields and metrics, read once
+
+def _kebab(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class VllmIndex:
+    """What a vLLM source tree defines, as the uses need it: the API server's flags (the fields of its
+    ``*Args`` dataclasses and every ``add_argument("--x")``), ``vllm bench serve``'s flags, the fields
+    of the request classes under vllm/entrypoints, and its text for names that are only strings there
+    (routes, metric names, method and connector names)."""
+
+    def __init__(self, root: Path):
+        self.root, self.src = root, Source(root)
+        self._text: dict[str, str] = {}
+        self.server_flags: set[str] = set()
+        self.bench_flags: set[str] = set()
+        self.fields: set[str] = set()
+        for f in sorted((root / "vllm" / "entrypoints").rglob("*.py")) + [root / "vllm" / "engine" / "arg_utils.py"]:
+            self._index(f, self.server_flags, fields=True)
+        for f in sorted((root / "vllm" / "benchmarks").rglob("*.py")):
+            self._index(f, self.bench_flags, fields=False)
+
+    def _index(self, f: Path, flags: set[str], fields: bool) -> None:
+        try:
+            tree = ast.parse(f.read_text(errors="replace"))
+        except (OSError, SyntaxError):
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _name(node.func) == "add_argument":
+                flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                             and a.value.startswith("--"))
+            elif fields and isinstance(node, ast.ClassDef):
+                names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+                if node.name.endswith("Args"):
+                    flags.update(_kebab(n) for n in names)
+                self.fields.update(names)
+
+    def text(self, subdir: str) -> str:
+        """Every .py file under vllm/<subdir>, joined (read once)."""
+        if subdir not in self._text:
+            base = self.root / "vllm" / subdir
+            files = sorted(base.rglob("*.py")) if base.is_dir() else []
+            self._text[subdir] = "\n".join(f.read_text(errors="replace") for f in files)
+        return self._text[subdir]
+
+    def quoted(self, value: str, subdir: str = "") -> bool:
+        body = self.text(subdir)
+        return f'"{value}"' in body or f"'{value}'" in body
+
+    def word(self, value: str, subdir: str = "") -> bool:
+        import re  # noqa: PLC0415
+
+        return re.search(rf"\b{re.escape(value)}\b", self.text(subdir)) is not None
+
+    def problem(self, use: dict) -> str | None:
+        """Why vLLM would not take this use, or None."""
+        kind, api = use["kind"], use["api"]
+        if kind == "import":
+            module, name = api.split(":")
+            if self.src.resolve(module, name) is None:
+                return (f"module {module} does not exist" if self.src.module(module) is None
+                        else f"cannot import name {name!r} from {module}")
+        elif kind == "module":
+            f = self.src.module_file(api)
+            if f is None:
+                return f"module {api} does not exist: python -m {api} fails"
+            if "__main__" not in f.read_text(errors="replace"):
+                return f"module {api} has no __main__ block: python -m {api} would do nothing"
+        elif kind in ("flag", "bench-flag"):
+            have = self.server_flags if kind == "flag" else self.bench_flags
+            base = "--" + api[5:] if api.startswith("--no-") else api
+            if api not in have and base not in have:
+                return ("the API server" if kind == "flag" else "vllm bench serve") + f" has no flag {api}"
+        elif kind == "config-key":
+            owner = use.get("of", "")
+            if "." not in owner:
+                r = self.src.resolve("vllm.config", owner)
+                sig = signature(self.src, r) if r else None
+                if sig is None:
+                    return f"vllm.config has no {owner}" if r is None else None
+                if api not in sig["names"]:
+                    return f"{owner} has no field {api!r}: vLLM refuses the config"
+            elif not self.word(api):
+                return f"{owner} key {api!r}: no vLLM code reads it, so it would be ignored"
+        elif kind == "config-value":
+            if not self.quoted(api):
+                return f"{use.get('of', '')} value {api!r} is not one vLLM knows"
+        elif kind == "route":
+            if not self.quoted(api, "entrypoints"):
+                return f"the API server has no route {api}"
+        elif kind == "request-field":
+            if api not in self.fields:
+                return f"no request class of vllm/entrypoints has a field {api!r}: vLLM would ignore it"
+        elif kind == "metric":
+            if not self.quoted(api):
+                return f"vLLM exports no metric {api}"
+        return None
+
+
+def _vtuple(version: str | None) -> tuple[int, ...]:
+    import re  # noqa: PLC0415
+
+    return tuple(int(x) for x in re.findall(r"\d+", (version or "").split("+")[0])[:3])
+
+
+def speculators_uses(sroot: Path) -> list[dict]:
+    """What the installed speculators asks of a vLLM server (its CLI and data generation; 0.5+)."""
+    pkg = sroot / "speculators"
+    files = [f.relative_to(sroot).as_posix() for sub in ("cli", "data_generation") for f in sorted((pkg / sub).glob("*.py"))]
+    return [u for u in vllmuses.collect(sroot, files) if u["kind"] in ("route", "request-field")]
+
+
+def check_uses(vroot: Path, uses: list[dict], fixes: dict | None = None) -> list[dict]:
+    """Each use looked up in the vLLM tree at ``vroot``; a mismatch per use vLLM would not take. Uses
+    in one ``alt`` group (imports tried one after the other) pass when any of them does."""
+    index = VllmIndex(vroot)
+    out, groups = [], {}
+    for use in uses:
+        problem = index.problem(use)
+        if use.get("alt"):
+            groups.setdefault(use["alt"], []).append((use, problem))
+            continue
+        if problem:
+            out.append(_mismatch(use, problem, fixes))
+    for tries in groups.values():
+        if all(p for _, p in tries):
+            out += [_mismatch(u, p, fixes) for u, p in tries]
+    return out
+
+
+def _mismatch(use: dict, problem: str, fixes: dict | None) -> dict:
+    file, _, line = use["where"].rpartition(":")
+    return {"file": file, "line": int(line or 0), "where": use["where"], "api": use["api"], "kind": use["kind"],
+            "problem": problem, "fixed_by": (fixes or {}).get(use["api"])}
+
+
+# ------------------------------------------------------------------------------------------------
 
 def check(spec: dict) -> dict:
     """Every vLLM import and call of speculators' data_generation code against the vLLM source."""
@@ -277,6 +422,11 @@ def check(spec: dict) -> dict:
     sroot, sver = _package(spec, "speculators_path", "speculators")
     if sroot is None or not (sroot / "speculators").is_dir():
         return {"ok": False, "error": "speculators is not installed on this host", "mismatches": []}
+    v = _vtuple(sver)
+    uses = [u for group in spec.get("uses") or []
+            if tuple(group["speculators"][0]) <= v[:len(group["speculators"][0])]
+            and v[:len(group["speculators"][1])] < tuple(group["speculators"][1]) for u in group["uses"]]
+    uses += speculators_uses(sroot)
     fixes = (spec.get("fixes") or {}).get(sver or "", {})
     vllm = Source(vroot)
     subdir = spec.get("subdir", "data_generation")
@@ -313,10 +463,11 @@ def check(spec: dict) -> dict:
                 for problem in check_call(node, sig):
                     mismatches.append({"file": rel, "line": node.lineno, "where": f"{rel}:{node.lineno}",
                                        "api": api, "problem": f"{api}(): {problem}", "fixed_by": fixes.get(api)})
+    mismatches += check_uses(vroot, uses, (spec.get("vllm_fixes") or {}).get(vver or "", {}))
     mismatches.sort(key=lambda m: (m["file"], m["line"]))
     return {"ok": not mismatches, "vllm": vver, "vllm_path": str(vroot), "speculators": sver,
             "speculators_path": str(sroot), "files": len(files), "imports_checked": imports,
-            "calls_checked": calls, "mismatches": mismatches}
+            "calls_checked": calls, "uses_checked": len(uses), "mismatches": mismatches}
 
 
 def main(spec: dict) -> dict:
