@@ -107,6 +107,7 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert metrics["agree"] is True, metrics
+    assert metrics["draft_preflight"] == {"vllm": "0.32.0", "problems": []}, metrics  # vLLM reads it as written
     assert metrics["acceptance_length"] >= (ACCEPTANCE_BAR if full else SMALLER_JOB_BAR), metrics
 
     # per category: each source's held-out prompts and the shipped out-of-distribution sets, side by side,

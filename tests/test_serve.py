@@ -104,6 +104,7 @@ def test_evaluate_measures_live_in_vllm_and_offline(served):
     m = served.stages["evaluate"]["result"]
     live, offline = m["vllm"], m["offline"]
     assert m["measured_with"] == "vllm" and m["acceptance_length"] == live["acceptance_length"]
+    assert m["draft_preflight"] == {"vllm": "0.32.0", "problems": []}, m["draft_preflight"]  # read as written
     assert live["drafts"] > 0 and live["draft_tokens"] == 3 * live["drafts"] and live["requests"] == 4
     # vLLM's per-position counts add up to its accepted tokens: 1 + sum of the rates is the length
     assert abs(1 + sum(live["acceptance_rate_per_position"]) - live["acceptance_length"]) < 2e-3, live
@@ -251,11 +252,12 @@ def _train_run_copy(served, name: str, edit) -> str:
 
 
 def test_a_broken_checkpoint_rolls_back_by_itself(served):
-    """vLLM cannot load the draft (its weights do not fit its config): the server never gets healthy, the
-    deploy puts the previous command back (no draft), and says so in one line."""
+    """vLLM cannot load the draft (its MLP weights do not fit its config, which no preflight reads): the
+    server never gets healthy, the deploy puts the previous command back (no draft), and says so in one line."""
     def break_it(ckpt: Path):
         config = json.loads((ckpt / "config.json").read_text())
-        config["transformer_layer_config"]["hidden_size"] = 2 * config["transformer_layer_config"]["hidden_size"]
+        layer = config["transformer_layer_config"]
+        layer["intermediate_size"] = 2 * layer["intermediate_size"]
         (ckpt / "config.json").write_text(json.dumps(config))
     run = _train_run_copy(served, "train-broken", break_it)
     r = served.inv("deploy", run, timeout=1200)
@@ -266,6 +268,33 @@ def test_a_broken_checkpoint_rolls_back_by_itself(served):
     st = served.status()
     assert st["healthy"] and st["draft"] is None
     assert st["history"][-1]["state"] == "rolled back" and "exited" in st["history"][-1]["reason"]
+
+
+def test_a_draft_the_servers_vllm_would_misread_is_refused_before_the_server_stops(served, legacy_python):
+    """The draft preflight, for real: the trained checkpoint with its layer ids removed (vLLM would fall back
+    to its own layers) is refused by the deploy before the server is touched, naming the field and the
+    server's vLLM; the same trained draft (speculators 0.9 writes norm_before_fc and norm_output on) read by
+    the legacy venv's vLLM 0.16, which reads neither, is refused for both."""
+    pid = served.status()["pid"]
+
+    def drop_layer_ids(ckpt: Path):
+        config = json.loads((ckpt / "config.json").read_text())
+        del config["eagle_aux_hidden_state_layer_ids"]
+        (ckpt / "config.json").write_text(json.dumps(config))
+    run = _train_run_copy(served, "train-no-layer-ids", drop_layer_ids)
+    r = served.inv("deploy", run, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "eagle_aux_hidden_state_layer_ids is missing from config.json: vLLM 0.32.0 would " \
+        "fall back to its own layers" in line[0] and "the server was not touched" in line[0], r.stderr
+    assert served.status()["pid"] == pid and served.status()["draft"] is None  # never restarted
+    ckpt = served.workdir / "runs" / served.stages["train"]["run_id"] / "artifacts" / "checkpoint"
+    remote = Path(__file__).resolve().parent.parent / "remote"
+    out = subprocess.run([str(legacy_python), "-m", "stages.lib.draftcheck", str(ckpt)], cwd=remote, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(remote)}, timeout=120)
+    found = json.loads(out.stdout)
+    assert found["vllm"] == "0.16.0" and [p.split(" ", 1)[0] for p in found["problems"]] == \
+        ["norm_before_fc=true", "norm_output=true"], (found, out.stderr)
 
 
 def test_an_acceptance_floor_too_high_rolls_back_by_itself(served):

@@ -6,7 +6,8 @@ status, log and follow, so a dropped link changes nothing: the job finishes on t
 
 1. take the host lock (the one GPU stages hold: no deploy while a stage has the service down);
 2. check what can be checked before the server is touched: the train run's ``checkpoint/`` against
-   that run's SHA256SUMS, its config.json an EAGLE-3 draft, the prompts to measure with (``traffic``, a
+   that run's SHA256SUMS, its config.json an EAGLE-3 draft that the server's vLLM reads as written (the
+   draft preflight, stages/lib/draftcheck.py), the prompts to measure with (``traffic``, a
    sample of your own prompts on the host; else the pipeline's held-out prompts, found through the
    runs' inputs, and the shipped out-of-distribution sets, taken from each category in turn);
 3. install the checkpoint under ``<workdir>/deploys/<deploy-id>/checkpoint`` (a copy, verified, renamed
@@ -29,6 +30,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
@@ -125,6 +128,27 @@ def checked_checkpoint(train_artifacts, run_id):
     if not any(n.endswith(".safetensors") for n in files):
         raise DeployFailed("run %s: checkpoint/ holds no *.safetensors weights" % run_id)
     return ckpt, files
+
+
+def draft_preflight(service, ckpt, code_dir, run_id):
+    """The draft's config.json against the server's own vLLM (stages/lib/draftcheck.py, run with the
+    server's python: its vLLM read as source, not imported), before the server is touched: a field that
+    vLLM would ignore or replace by a default refuses the deploy in one line."""
+    python = service.config.get("python") or sys.executable
+    env = dict(os.environ, PYTHONPATH=code_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([python, "-m", "stages.lib.draftcheck", ckpt], capture_output=True, text=True, env=env,
+                         cwd=code_dir, timeout=120)
+    try:
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise DeployFailed("the draft preflight could not run with the server's python %s: %s"
+                           % (python, (res.stderr.strip().splitlines() or ["no output"])[-1]))
+    if out["problems"]:
+        more = " (and %d more)" % (len(out["problems"]) - 1) if len(out["problems"]) > 1 else ""
+        raise DeployFailed("run %s's draft would be misread by the server: %s%s; the server was not touched"
+                           % (run_id, out["problems"][0], more))
+    say("draft preflight: vLLM %s reads every field of the checkpoint's config.json" % out["vllm"])
+    return out
 
 
 def heldout_prompts(workdir, train_run):
@@ -321,6 +345,7 @@ def deploy(spec, cfg, service):
     ckpt, files = checked_checkpoint(spec["inputs"]["train"], train_run)
     if not service.url:
         raise DeployFailed("the service has no url to measure it through: set hosts.<host>.service.url")
+    preflight = draft_preflight(service, ckpt, code_dir, train_run)
     prompts, source = measuring_prompts(spec, cfg, train_run)
     if not prompts:
         raise DeployFailed("no prompts to measure the server with: run %s has no held-out prompts and no eval "
@@ -335,7 +360,7 @@ def deploy(spec, cfg, service):
              "files": files, "installed_at": now()}
     record = {"deploy_id": did, "action": "deploy", "run_id": train_run, "checkpoint": installed, "k": int(cfg["k"]),
               "min_acceptance": cfg["min_acceptance"], "min_speedup": cfg["min_speedup"], "prompts": source,
-              "started_at": now(), "replaced": previous, "was_running": was_running, "state": "measuring"}
+              "started_at": now(), "draft_preflight": preflight, "replaced": previous, "was_running": was_running, "state": "measuring"}
     write_json(os.path.join(ddir, "deploy.json"), record)
     measurement, without, fast = None, None, None
     # from here on the host may be restarted: whatever fails, the previous server is put back (a stop

