@@ -242,7 +242,13 @@ def build_kimi_shaped_model(path: Path, seed: int = 0) -> Path:
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "TinyKimiMediaProcessor",
         "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.TinyKimiMediaProcessor"},
-        "size": 56, "patch_size": 14, "merge_kernel_size": [2, 2], "num_frames_per_chunk": 4}, indent=2))
+        "size": 56, "patch_size": 14, "merge_kernel_size": [2, 2], "num_frames_per_chunk": 4,
+        # as Kimi-K2.5's own file has it: what vLLM 0.32+'s fused Kimi-K2.5 processor reads (in place of the
+        # model's code), sized to the same 56 x 56 pixels (4 x 4 patches, 4 tokens an image)
+        "media_proc_cfg": {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16, "patch_limit_on_one_side": 4,
+                           "fixed_output_tokens": None, "in_patch_limit_each_frame": 16, "in_patch_limit_video": None,
+                           "temporal_merge_kernel_size": 4, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}},
+        indent=2))
 
     torch.manual_seed(seed)
     text = kimi_text_config()

@@ -407,7 +407,7 @@ def deploy(spec, cfg, service):
         history(workdir, {k: record[k] for k in ("deploy_id", "action", "run_id", "state", "started_at", "ended_at")}
                 | summary)
         return {"deploy_id": did, "state": "deployed", "run_id": train_run, "checkpoint": installed,
-                "k": int(cfg["k"]), "measurement": measurement, "replaced": previous}
+                "k": int(cfg["k"]), "measurement": measurement, "replaced": previous, "draft_preflight": preflight}
     back_ok, back = switch_back(service, code_dir, previous, was_running, why)
     record.update(state="rolled back", ended_at=now(), reason=why, measurement=measurement,
                   rollback_healthy=back_ok, rollback=back)
