@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
+import sys
 
 import pytest
 
@@ -27,7 +27,8 @@ PIPELINE = {**TINY_CURRENT, "samples": 24, "draft_vocab_size": 128, "train_seq_l
 # speed, and the live acceptance a working draft reaches (the speed gate is tested in tests/test_serve.py)
 DEPLOY = {"k": 3, "min_acceptance": 1.05, "min_speedup": 0.05, "prompts": 4, "max_tokens": 16, "concurrency": 2}
 
-#: each hs_i.safetensors against the dataset's token ids and a transformers forward of the text model
+#: each hs_i.safetensors against the dataset's token ids and a transformers forward of the text model, run
+#: by the tests' own python: its transformers 4 names the experts' weights as the model ships them (5 fuses them)
 HIDDEN = r"""
 import json, sys, torch
 from pathlib import Path
@@ -77,7 +78,7 @@ def test_the_kimi_shaped_target_through_todays_pipeline_and_deploy(sshd, current
         assert meta["backend"] == "vllm" and meta["num_hidden_layers"] == 8 and meta["hidden_size"] == 128, meta
         layers = meta["captured_layer_ids"]
         proc = subprocess.run(
-            [str(current_python), "-c", HIDDEN, str(kimi), str(workdir / "runs" / stages["prepare"]["run_id"] / "artifacts" / "dataset"),
+            [sys.executable, "-c", HIDDEN, str(kimi), str(workdir / "runs" / stages["prepare"]["run_id"] / "artifacts" / "dataset"),
              str(workdir / "runs" / stages["extract"]["run_id"] / "artifacts" / "hidden_states"), str(REPO / "tests"),
              json.dumps(layers)], capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
