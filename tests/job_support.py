@@ -2,11 +2,12 @@
 own differs), the main job's line budget, and running a bench as the suite runs it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, run_inv
 
 #: a pipeline small enough for the tiny targets on 2 cores: a few chat prompts, a 64-token draft vocabulary
 TINY_PIPELINE = {"dataset": "builtin:chat", "samples": 12, "heldout": 4, "max_seq_len": 96, "max_new_tokens": 16,
@@ -27,3 +28,13 @@ def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = No
     assert p.returncode == 0 and "Traceback" not in p.stderr, f"bench/{name}.py {' '.join(args)}: exit " \
         f"{p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
+
+
+def whole_pipeline(host: str, env: dict, cwd, timeout: float = 2700) -> dict:
+    """``inv pipeline --hosts HOST --json``: exit 0, the five stages in order, each run succeeded; by stage."""
+    r = run_inv("pipeline", "--hosts", host, "--json", cwd=cwd, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stages = {s["stage"]: s for s in json.loads(r.stdout)[host]}
+    assert list(stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
+    assert all(s["run_state"] == "succeeded" for s in stages.values()), stages
+    return stages

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_inv, write_inventory
-from job_support import TINY_CURRENT
+from job_support import TINY_CURRENT, whole_pipeline
 from loopback import free_port
 from models import build_kimi_shaped_model
 
@@ -66,11 +66,7 @@ def test_the_kimi_shaped_target_through_todays_pipeline_and_deploy(sshd, current
         model={"path": str(kimi), "trust_remote_code": True}, pipeline=PIPELINE, deploy=DEPLOY)
     env = {"HARNESS_INVENTORY": str(inv), "HARNESS_RUNS_DIR": str(tmp_path / "runs")}
     try:
-        r = run_inv("pipeline", "--hosts", "ref", "--json", cwd=tmp_path, env=env, timeout=2700)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        stages = {s["stage"]: s for s in json.loads(r.stdout)["ref"]}
-        assert list(stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
-        assert all(s["run_state"] == "succeeded" for s in stages.values()), stages
+        stages = whole_pipeline("ref", env, tmp_path)
 
         # extract through vLLM's extract_hidden_states on the multimodal wrapper: a row per token in every
         # file, the dataset's own token ids, and the text model's states within bf16 noise of transformers'

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import chain_acceptance, venv_workdir, run_inv, write_inventory
 from models import build_kimi_shaped_model
-from job_support import TINY_PIPELINE, run_bench
+from job_support import TINY_PIPELINE, run_bench, whole_pipeline
 
 # first session on a machine: the legacy_python fixture's inv setup downloads the legacy-cpu profile
 pytestmark = pytest.mark.timeout(3600)  # the vLLM stages run 2-3x slower on a CPU without native bf16
@@ -91,11 +91,7 @@ def test_pipeline_on_the_legacy_stack_runs_the_target_only_in_vllm(sshd, legacy_
                   "batch_size": 8, "draft_vocab_size": 128, "train_seq_len": 192, "epochs": 1, "seed": 3})
     env = {"HARNESS_INVENTORY": str(inv)}
     try:
-        r = run_inv("pipeline", "--hosts", "ref", "--json", cwd=tmp_path, env=env, timeout=2700)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        stages = {s["stage"]: s for s in json.loads(r.stdout)["ref"]}
-        assert list(stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
-        assert all(s["run_state"] == "succeeded" for s in stages.values()), stages
+        stages = whole_pipeline("ref", env, tmp_path)
 
         st = json.loads(run_inv("patch.status", "--hosts", "ref", "--json", env=env).stdout)["ref"]["packages"]["speculators"]
         applied = {p["name"][:4] for p in st["patches"] if p["state"] == "applied"}
