@@ -182,11 +182,9 @@ def main(spec: dict) -> dict:
     captured = json.loads((extracted / "extract.json").read_text())["captured_layer_ids"]
     k = cfg.k
     # the draft preflight: would this vLLM read every field of the checkpoint's config.json as written?
-    vllm_root, vllm_version = draftcheck.installed_vllm()
-    problems = draftcheck.check(str(checkpoint), vllm_root, vllm_version) if vllm_root else []
-    if problems:
-        common.fail(STAGE, f"vLLM would misread the draft: {problems[0]}"
-                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    preflight = draftcheck.preflight(checkpoint)
+    if preflight["problems"]:
+        common.fail(STAGE, f"vLLM would misread the draft: {draftcheck.one_line(preflight['problems'])}")
     heldout = conversations.read_prompts(prepared / "heldout.jsonl")
     if not heldout:
         common.fail(STAGE, "no held-out prompts (pipeline.heldout is 0); set pipeline.heldout and run prepare again")
@@ -277,7 +275,7 @@ def main(spec: dict) -> dict:
                "generated_tokens": generated, "measured_with": "vllm", "vllm": held_live, "offline": offline,
                "gap": gap, "agree": gap <= GAP_WARNING, "categories": categories,
                "speed_prompts": cfg.speed_prompts, "max_new_tokens": cfg.max_new_tokens,
-               "draft_preflight": {"vllm": vllm_version, "problems": problems}}
+               "draft_preflight": preflight}
     common.write_json(out / "metrics.json", metrics)
     plot_categories(categories, k, out / "categories.png")
     return {**metrics, "seconds": timer()}

@@ -174,15 +174,26 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
     return out
 
 
+def preflight(checkpoint):
+    """``{"vllm": version, "problems": [...]}`` of this interpreter's vLLM with the draft (no vLLM: none)."""
+    root, version = installed_vllm()
+    return {"vllm": version, "problems": check(str(checkpoint), root, version) if root else []}
+
+
+def one_line(problems):
+    """The first problem, and how many more."""
+    return problems[0] + (" (and %d more)" % (len(problems) - 1) if len(problems) > 1 else "")
+
+
 def main():
     """``python -m stages.lib.draftcheck CHECKPOINT``: the problems of this python's vLLM with the draft,
     as JSON (how a deploy asks the server's python)."""
     import sys
 
-    root, version = installed_vllm()
-    problems = (["vLLM is not installed for %s" % sys.executable] if root is None else
-                check(sys.argv[1], root, version))
-    print(json.dumps({"vllm": version, "problems": problems}))
+    if installed_vllm()[0] is None:
+        print(json.dumps({"vllm": None, "problems": ["vLLM is not installed for %s" % sys.executable]}))
+    else:
+        print(json.dumps(preflight(sys.argv[1])))
 
 
 if __name__ == "__main__":
