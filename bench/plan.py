@@ -32,6 +32,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=50000)
     ap.add_argument("--max-seq-len", type=int, default=8192)
+    ap.add_argument("--python", default=sys.executable,
+                    help="the local host's python (the plan's tools are stdlib: any python 3 will do; default this one)")
     ap.add_argument("--quick", action="store_true", help="the same run, not recorded in bench/results.md (the suite's)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,6 +43,7 @@ def main() -> int:
         inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
         host = inv["hosts"]["local"]
         host["pipeline"] = {"samples": a.samples, "max_seq_len": a.max_seq_len}
+        host["python"] = a.python  # the shipped venv need not exist: planning loads nothing
         inv = {"hosts": {"local": host}, "model": {"path": str(model), "trust_remote_code": True},
                "pipeline": inv.get("pipeline") or {}}
         path = Path(tmp) / "inventory.yaml"
