@@ -50,8 +50,10 @@ def _route_of(node) -> str | None:
 
 
 class _Collector:
-    def __init__(self, rel: str, tree: ast.Module, text: str):
-        self.rel, self.tree, self.text, self.uses = rel, tree, text, []
+    """One file's uses, kind by kind (``run``)."""
+
+    def __init__(self, rel: str, tree: ast.Module):
+        self.rel, self.tree, self.uses = rel, tree, []
 
     def add(self, kind: str, api: str, node, **extra) -> None:
         line = getattr(node, "lineno", 0)
@@ -187,10 +189,9 @@ def collect(root: str | Path, files: list[str]) -> list[dict]:
     root = Path(root)
     uses: list[dict] = []
     for rel in files:
-        text = (root / rel).read_text(errors="replace")
         try:
-            tree = ast.parse(text)
+            tree = ast.parse((root / rel).read_text(errors="replace"))
         except SyntaxError:
             continue
-        uses += _Collector(rel, tree, text).run()
+        uses += _Collector(rel, tree).run()
     return uses
