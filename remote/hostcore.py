@@ -8,6 +8,7 @@ its own identity (``python hostcore.py identity PID``) rather than parsing /proc
 """
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -43,6 +44,17 @@ def progress_line(done, total, unit):
 
 # ---------------------------------------------------------------------------------------------------
 # files
+
+def version_tuple(v):
+    """A version's numeric release parts, up to the first that is not one: ``"0.16.0+cpu"`` -> (0, 16, 0)."""
+    nums = []
+    for part in re.split(r"[.+-]", v):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        nums.append(int(m.group()))
+    return tuple(nums)
+
 
 def read_json(path, default=None):
     """A JSON file's content, or ``default`` when it is missing or unreadable."""

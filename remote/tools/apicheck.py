@@ -23,11 +23,13 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import distinfo
 import vllmuses
+from hostcore import version_tuple
 
 NO_VLLM = "vLLM is not installed on this host: nothing to check"
 
@@ -326,8 +328,6 @@ class VllmIndex:
         return f'"{value}"' in body or f"'{value}'" in body
 
     def word(self, value: str, subdir: str = "") -> bool:
-        import re  # noqa: PLC0415
-
         return re.search(rf"\b{re.escape(value)}\b", self.text(subdir)) is not None
 
     def problem(self, use: dict) -> str | None:
@@ -375,12 +375,6 @@ class VllmIndex:
         return None
 
 
-def _vtuple(version: str | None) -> tuple[int, ...]:
-    import re  # noqa: PLC0415
-
-    return tuple(int(x) for x in re.findall(r"\d+", (version or "").split("+")[0])[:3])
-
-
 def speculators_uses(sroot: Path) -> list[dict]:
     """What the installed speculators asks of a vLLM server (its CLI and data generation; 0.5+)."""
     pkg = sroot / "speculators"
@@ -388,7 +382,7 @@ def speculators_uses(sroot: Path) -> list[dict]:
     return [u for u in vllmuses.collect(sroot, files) if u["kind"] in ("route", "request-field")]
 
 
-def check_uses(vroot: Path, uses: list[dict], fixes: dict | None = None) -> list[dict]:
+def check_uses(vroot: Path, uses: list[dict]) -> list[dict]:
     """Each use looked up in the vLLM tree at ``vroot``; a mismatch per use vLLM would not take. Uses
     in one ``alt`` group (imports tried one after the other) pass when any of them does."""
     index = VllmIndex(vroot)
@@ -399,17 +393,18 @@ def check_uses(vroot: Path, uses: list[dict], fixes: dict | None = None) -> list
             groups.setdefault(use["alt"], []).append((use, problem))
             continue
         if problem:
-            out.append(_mismatch(use, problem, fixes))
+            out.append(_mismatch(use, problem))
     for tries in groups.values():
         if all(p for _, p in tries):
-            out += [_mismatch(u, p, fixes) for u, p in tries]
+            out += [_mismatch(u, p) for u, p in tries]
     return out
 
 
-def _mismatch(use: dict, problem: str, fixes: dict | None) -> dict:
+def _mismatch(use: dict, problem: str) -> dict:
+    """A use's mismatch in the shape of a call's (no patch set fixes the harness's own uses: the code does)."""
     file, _, line = use["where"].rpartition(":")
     return {"file": file, "line": int(line or 0), "where": use["where"], "api": use["api"], "kind": use["kind"],
-            "problem": problem, "fixed_by": (fixes or {}).get(use["api"])}
+            "problem": problem, "fixed_by": None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,7 +417,7 @@ def check(spec: dict) -> dict:
     sroot, sver = _package(spec, "speculators_path", "speculators")
     if sroot is None or not (sroot / "speculators").is_dir():
         return {"ok": False, "error": "speculators is not installed on this host", "mismatches": []}
-    v = _vtuple(sver)
+    v = version_tuple(sver or "")
     uses = [u for group in spec.get("uses") or []
             if tuple(group["speculators"][0]) <= v[:len(group["speculators"][0])]
             and v[:len(group["speculators"][1])] < tuple(group["speculators"][1]) for u in group["uses"]]
@@ -463,7 +458,7 @@ def check(spec: dict) -> dict:
                 for problem in check_call(node, sig):
                     mismatches.append({"file": rel, "line": node.lineno, "where": f"{rel}:{node.lineno}",
                                        "api": api, "problem": f"{api}(): {problem}", "fixed_by": fixes.get(api)})
-    mismatches += check_uses(vroot, uses, (spec.get("vllm_fixes") or {}).get(vver or "", {}))
+    mismatches += check_uses(vroot, uses)
     mismatches.sort(key=lambda m: (m["file"], m["line"]))
     return {"ok": not mismatches, "vllm": vver, "vllm_path": str(vroot), "speculators": sver,
             "speculators_path": str(sroot), "files": len(files), "imports_checked": imports,

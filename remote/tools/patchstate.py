@@ -25,7 +25,7 @@ from pathlib import Path
 
 import distinfo
 import probe
-from hostcore import Refused, read_json
+from hostcore import Refused, read_json, version_tuple
 
 
 # ------------------------------------------------------------------------------------------------
@@ -45,26 +45,16 @@ def file_sha(path: Path) -> str | None:
 # ------------------------------------------------------------------------------------------------
 # facts and conditions
 
-def _vtuple(v: str) -> tuple:
-    nums = []
-    for part in re.split(r"[.+-]", v):
-        m = re.match(r"\d+", part)
-        if not m:
-            break
-        nums.append(int(m.group()))
-    return tuple(nums)
-
-
 def version_matches(version: str | None, spec: str) -> bool:
     """``"0.16.0"`` against ``">=0.12,<0.20"`` (numeric release parts only)."""
     if version is None:
         return False
-    v = _vtuple(version)
+    v = version_tuple(version)
     for clause in [c.strip() for c in spec.split(",") if c.strip()]:
         m = re.match(r"(>=|<=|==|!=|>|<)\s*(.+)", clause)
         if not m:
             raise Refused(f"bad version condition {clause!r}")
-        op, want = m.group(1), _vtuple(m.group(2))
+        op, want = m.group(1), version_tuple(m.group(2))
         n = max(len(v), len(want))
         a, b = v + (0,) * (n - len(v)), want + (0,) * (n - len(want))
         ok = {">=": a >= b, "<=": a <= b, "==": a == b, "!=": a != b, ">": a > b, "<": a < b}[op]
@@ -130,7 +120,7 @@ class Target:
         self.version = dist.version
         self.site = Path(dist.site).resolve()
         self.record = dist.sha256_record()  # {path relative to site: sha256 as pip spells it}
-        self.available = sorted((spec.get("series") or {}).keys(), key=_vtuple)
+        self.available = sorted((spec.get("series") or {}).keys(), key=version_tuple)
         self.series = (spec.get("series") or {}).get(self.version)
         self.env_id = f"{self.package}-{self.version}-{sha256_hex(str(self.site).encode())[:12]}"
         self.envdir = Path(os.path.expanduser(spec.get("workdir") or "~/.eagle-harness")) / "patches" / self.env_id
@@ -186,7 +176,7 @@ def targets(spec: dict, need_series: bool = True) -> list[tuple[str, Target | No
         except Refused:
             if must:
                 raise
-            out.append((name, None, no_patch_set(name, available=sorted(sub["series"], key=_vtuple))))
+            out.append((name, None, no_patch_set(name, available=sorted(sub["series"], key=version_tuple))))
             continue
         if target.series is None and must and not need_series:
             out.append((name, target, None))
