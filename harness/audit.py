@@ -108,40 +108,39 @@ def strict_failures(results: HostResults) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # the patch states and the vLLM API preflight, in the same probe round trip
 
-_PAYLOAD: dict[tuple, dict[str, Any]] = {}
-_PAYLOAD_LOCK = threading.Lock()
+_KEPT: dict[str, tuple[tuple, Any]] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def _kept(prefix: str, files: list[Path], build) -> Any:
+    """``build()``, kept in memory and on disk (``_on_disk``) for as long as none of ``files`` changes
+    (size and mtime): once per audit rather than once per host, and not once per ``inv audit`` either."""
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    with _KEPT_LOCK:
+        if _KEPT.get(prefix, (None,))[0] != key:
+            _KEPT[prefix] = (key, _on_disk(prefix, key, build))
+        return _KEPT[prefix][1]
 
 
 def _patch_payload() -> dict[str, dict[str, Any]]:
-    """``patches.build_payloads()`` once per audit, not once per host, and not once per ``inv audit``
-    either: building them (YAML + validation of every series) is a large share of a one-host audit,
-    on the path the host waits on. Kept in memory and in ``PAYLOAD_CACHE`` for as long as no file
-    of any distribution's series, nor the code that builds them, changes (size and mtime)."""
+    """``patches.build_payloads()``: building them (YAML + validation of every series) is a large share of
+    a one-host audit, on the path the host waits on. Rebuilt when a file of any distribution's series, or
+    the code that builds them, changes."""
     from harness import patches  # noqa: PLC0415
 
-    files = [Path(patches.__file__), *(f for name in patches.distributions() for d in patches.series_dirs(name)
-                                       for f in sorted(d.iterdir()))]
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    with _PAYLOAD_LOCK:
-        if key not in _PAYLOAD:
-            _PAYLOAD.clear()
-            _PAYLOAD[key] = _on_disk("patch-payloads", key, patches.build_payloads)
-        return _PAYLOAD[key]
+    return _kept("patch-payloads", [Path(patches.__file__), *(f for name in patches.distributions()
+                                                              for d in patches.series_dirs(name) for f in sorted(d.iterdir()))],
+                 patches.build_payloads)
 
 
 def _vllm_uses() -> list[dict]:
-    """``generations.vllm_uses()`` (the stages' and the runtime's uses of vLLM, read with ast), kept like
-    the payloads: reading the code costs more than the rest of a one-host audit's workstation side."""
+    """``generations.vllm_uses()`` (the stages' and the runtime's uses of vLLM, read with ast): reading the
+    code costs more than the rest of a one-host audit's workstation side. Rebuilt when that code, or the
+    code that reads it, changes."""
     from harness import REMOTE_DIR, generations  # noqa: PLC0415
 
-    files = [Path(generations.__file__), REMOTE_DIR / "tools" / "vllmuses.py",
-             *(f for d in (*generations.RUNTIME_CODE, *(d for ds in generations.STAGE_CODE.values() for d in ds))
-               for f in sorted((REMOTE_DIR / d).glob("*.py")))]
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    with _PAYLOAD_LOCK:
-        if key not in _PAYLOAD:
-            _PAYLOAD[key] = _on_disk("vllm-uses", key, generations.vllm_uses)
-        return _PAYLOAD[key]
+    return _kept("vllm-uses", [Path(generations.__file__), REMOTE_DIR / "tools" / "vllmuses.py",
+                               *generations.vllm_use_files()], generations.vllm_uses)
 
 
 #: where ``_patch_payload`` keeps the payloads between runs (rebuilt whenever a series file changes)

@@ -53,6 +53,17 @@ STAGE_CODE = {"legacy": (), "current": ("stages/current", "stages/lib")}
 RUNTIME_CODE = ("runtime",)
 
 
+def _files(dirs) -> list:
+    from harness import REMOTE_DIR  # noqa: PLC0415
+
+    return [f for d in dirs for f in sorted((REMOTE_DIR / d).glob("*.py"))]
+
+
+def vllm_use_files() -> list:
+    """Every file ``vllm_uses`` reads."""
+    return _files(RUNTIME_CODE + tuple(d for dirs in STAGE_CODE.values() for d in dirs))
+
+
 def vllm_uses() -> list[dict]:
     """What the stages and the runtime ask of vLLM (flags, config keys, routes, request fields, metric
     names: remote/tools/vllmuses.py), per speculators line, as the API preflight's ``uses``."""
@@ -61,13 +72,10 @@ def vllm_uses() -> list[dict]:
 
     collect = load_remote("vllmuses").collect
 
-    def files(dirs):
-        return [f.relative_to(REMOTE_DIR).as_posix() for d in dirs for f in sorted((REMOTE_DIR / d).glob("*.py"))]
+    def uses(dirs, first, stop):
+        rel = [f.relative_to(REMOTE_DIR).as_posix() for f in _files(dirs)]
+        return {"speculators": [list(first), list(stop)], "uses": collect(REMOTE_DIR, rel)}
 
-    first = min(v[0] for v in LINES.values())
-    stop = max(v[1] for v in LINES.values())
-    out = [{"speculators": [list(first), list(stop)], "uses": collect(REMOTE_DIR, files(RUNTIME_CODE))}]
-    for name, dirs in STAGE_CODE.items():
-        if dirs:
-            out.append({"speculators": [list(LINES[name][0]), list(LINES[name][1])], "uses": collect(REMOTE_DIR, files(dirs))})
+    out = [uses(RUNTIME_CODE, min(v[0] for v in LINES.values()), max(v[1] for v in LINES.values()))]
+    out += [uses(dirs, LINES[name][0], LINES[name][1]) for name, dirs in STAGE_CODE.items() if dirs]
     return out

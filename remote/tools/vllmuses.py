@@ -26,7 +26,10 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONFIGS = {"method": "SpeculativeConfig", "kv_connector": "KVTransferConfig"}
 CONFIG_VALUES = ("method", "kv_connector", "kv_role")
 FLAG = re.compile(r"^--[a-z][a-z0-9-]*$")
-ROUTE = re.compile(r"^/(v1/[a-z_/]+|health|metrics|tokenize|detokenize|version|ping)$")
+#: the server's routes the stages call (the OpenAI API under /v1, and its own)
+ROUTE_PATTERN = r"/(?:v1/[a-z_/]+|health|metrics|tokenize|detokenize|version|ping)"
+ROUTE = re.compile(f"^{ROUTE_PATTERN}$")
+ROUTE_AT_END = re.compile(f"({ROUTE_PATTERN})$")
 METRIC = re.compile(r"^vllm:[a-z_:]+$")
 
 
@@ -44,7 +47,7 @@ def _route_of(node) -> str | None:
         node.values if isinstance(node, ast.JoinedStr) else [node.right] if isinstance(node, ast.BinOp) else [])
     for p in reversed(parts):
         if isinstance(p, ast.Constant) and isinstance(p.value, str):
-            m = re.search(r"(/v1/[a-z_/]+|/health|/metrics|/tokenize|/detokenize|/version|/ping)$", p.value)
+            m = ROUTE_AT_END.search(p.value)
             return m.group(1) if m and (p is not node or ROUTE.match(p.value)) else None
     return None
 
