@@ -21,9 +21,9 @@ TINY_CURRENT = {**TINY_PIPELINE, "concurrency": 8, "draft_intermediate_size": 96
 MAIN_JOB_LINES, SETUP_LINES = 60, 5
 
 
-def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = None) -> str:
-    """``python bench/<name>.py ARGS``: exit 0, no traceback; its output."""
-    p = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), *args], cwd=REPO, capture_output=True,
+def run_bench(name: str, *args: str, timeout: float = 600, env: dict | None = None, python=sys.executable) -> str:
+    """``python bench/<name>.py ARGS`` (this python unless told): exit 0, no traceback; its output."""
+    p = subprocess.run([str(python), str(REPO / "bench" / f"{name}.py"), *args], cwd=REPO, capture_output=True,
                        text=True, timeout=timeout, env={**os.environ, **(env or {})})
     assert p.returncode == 0 and "Traceback" not in p.stderr, f"bench/{name}.py {' '.join(args)}: exit " \
         f"{p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"

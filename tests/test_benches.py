@@ -4,6 +4,7 @@ that need a trained draft run beside the tests that train one: bench/pipeline.py
 test_default_pipeline.py, bench/legacy.py in test_legacy_pipeline.py, bench/serve.py in test_serve.py."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -64,3 +65,19 @@ def test_results_file_names_the_machine_of_every_figure():
 def test_plan_bench():
     out = run_bench("plan", "--quick")
     assert "bars              ~23.5 TB, free_bytes reported, exit 1: PASS" in out, out
+
+
+def test_gpu_check_quick_on_the_cpu(current_python):
+    """bench/gpu_check.py as the suite can run it (``--device cpu``: no FlexAttention backward or fused
+    loss on a CPU): the hf capture within bf16's noise of transformers' float32 forward, and the train
+    stage's speculators 0.9 trainer on the states written as the extract stage writes them, its loss
+    falling."""
+    out = run_bench("gpu_check", "--device", "cpu", "--samples", "8", "--epochs", "2", "--json", "--quick",
+                    python=current_python)
+    report = json.loads(out[out.index("{"):])
+    assert report["speculators"] == "0.9.0" and report["passed"], report["bars"]
+    capture = report["capture"]
+    assert capture["tokens"] > 8 * 20 and set(capture["worst_relative_diff"]) == set(capture["bf16_forward_diff"])
+    assert list(report["train"]) == ["sdpa+eager"]  # the CUDA variant is the GPU's
+    run = report["train"]["sdpa+eager"]
+    assert run["steps"] >= 2 and run["finite"] and run["loss_last_epoch"] < run["loss_first_epoch"]
