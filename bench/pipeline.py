@@ -171,8 +171,10 @@ def by_hand(python: Path, stages: dict, workdir: Path) -> dict[str, float]:
 
     t0 = time.perf_counter()  # the harness's train flags; vocabulary built by speculators train itself
     args = list(train_args)
-    for flag, value in (("--data-path", str(hand / "data")), ("--save-path", str(hand / "checkpoints"))):
-        args[args.index(flag) + 1] = value
+    for flag, value in (("--data-path", str(hand / "data")), ("--save-path", str(hand / "checkpoints")),
+                        ("--log-dir", str(hand / "tensorboard"))):
+        if flag in args:  # --log-dir: with pipeline.logger, never into the harness's run
+            args[args.index(flag) + 1] = value
     for flag in ("--hidden-states-path", "--d2t-path", "--t2d-path"):
         i = args.index(flag)
         del args[i:i + 2]

@@ -265,6 +265,10 @@ class PipelineSpec(_Strict):
     scheduler: Literal["linear", "cosine", "none"] = _default("scheduler")
     #: current: the draft's attention in training (auto: sdpa on CPU, simple_flex_attention on GPUs)
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
+    #: current: speculators' metric loggers (--logger): tensorboard (its event files come back with the
+    #: run: tensorboard --logdir runs/), wandb, mlflow, trackio, a comma list, or "" for none; a
+    #: logger's credentials by name in secrets:
+    logger: str = _default("logger")
     #: current: the positions train's loss covers: assistant (speculators' mask: the replies) or all
     #: (the prompts' too; the draft is distilled from the target's distribution at every position)
     loss_tokens: Literal["assistant", "all"] = _default("loss_tokens")
@@ -291,6 +295,15 @@ class PipelineSpec(_Strict):
         bad = [(name, w) for name, w in (v.items() if isinstance(v, dict) else ()) if w <= 0]
         if bad:
             raise ValueError(f"source {bad[0][0]!r} has weight {bad[0][1]}: give a positive number")
+        return v
+
+    @field_validator("logger")
+    @classmethod
+    def _logger_names(cls, v: str) -> str:
+        known = ("tensorboard", "wandb", "mlflow", "trackio")  # speculators 0.9's LoggingArgs.logger
+        for name in filter(None, (part.strip() for part in v.split(","))):
+            if name not in known:
+                raise ValueError(f"{name!r} is not one of speculators' loggers ({', '.join(known)})")
         return v
 
     @field_validator("loss_fn")

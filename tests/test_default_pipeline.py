@@ -97,6 +97,17 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert (ckpt / "model.safetensors").stat().st_size > 0
     assert (Path(by["train"]["pulled"]) / "loss.png").stat().st_size > 0
 
+    # the training scalars came back with the run: `tensorboard --logdir runs/` (its own reader) finds the
+    # train run under the workstation's runs/ and holds its loss at every step, as metrics.json does
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    logged = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "runs"))
+    logged.Reload()
+    run = next(name for name in logged.Runs() if name.startswith(by["train"]["run_id"]))
+    steps = json.loads((Path(by["train"]["pulled"]) / "metrics.json").read_text())["train"]
+    loss = [e.value for e in logged.Scalars(run, "train/loss")]
+    assert len(loss) == len(steps) and abs(loss[-1] - steps[-1]["loss"]) < 1e-4, (logged.Runs(), loss[-3:])
+
     # the draft really drafts: held-out acceptance length (k = 3) by vLLM serving it (its counters), and
     # offline along the same continuations; each satisfies its own identity, and the two agree
     metrics = by["evaluate"]["result"]

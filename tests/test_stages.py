@@ -667,3 +667,28 @@ print(round(time.monotonic() - t0, 2), group_alive(server.proc.pid))
     took, alive = proc.stdout.split()
     assert log.read_text().splitlines() == ["worker up", "worker done"]  # written before stop() returned
     assert 0.9 <= float(took) < 10 and alive == "False"
+
+
+def test_train_refuses_a_metric_logger_it_cannot_run_in_one_line(monkeypatch):
+    """pipeline.logger is checked before anything loads: a name speculators does not know, a logger whose
+    package the host lacks, a logger whose credentials are not in the stage's environment (W&B would wait on
+    a login prompt no one sees); TensorBoard, the default, passes where its package is installed."""
+    import importlib.util
+
+    from stages.current import train
+
+    train.check_loggers("tensorboard")
+    train.check_loggers("")
+    with pytest.raises(SystemExit, match=r"^stage train: pipeline.logger 'tensorbord' is not one of .*tensorboard, "
+                                         r"wandb, mlflow, trackio\); fix pipeline.logger$"):
+        train.check_loggers("tensorboard,tensorbord")
+    assert importlib.util.find_spec("mlflow") is None
+    with pytest.raises(SystemExit, match=r"pipeline.logger mlflow: the mlflow package is not installed on this host"):
+        train.check_loggers("tensorboard, mlflow")
+    monkeypatch.setitem(train.LOGGERS, "wandb", ("json", ("WANDB_API_KEY",)))  # an installed stand-in package
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match=r"pipeline.logger wandb: WANDB_API_KEY is not set on the host; name it in "
+                                         r"the inventory's secrets:"):
+        train.check_loggers("wandb")
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    train.check_loggers("wandb")

@@ -35,8 +35,14 @@ Resumable: speculators writes a checkpoint per epoch under ``checkpoints/`` and 
 one when the run is started again (on one host; a multi-host job starts over, since only its first
 host holds checkpoints and every rank must resume from the same epoch).
 
+Metrics where ML engineers look: ``pipeline.logger`` is speculators' own ``--logger`` (TensorBoard by
+default; W&B, MLflow, Trackio, or several), its TensorBoard event files written under the artifacts'
+``tensorboard/<run-id>/``, so they come back with the run and ``tensorboard --logdir runs/`` shows every
+training run side by side. A logger's credentials come by name through the inventory's ``secrets:``.
+
 Outputs: ``checkpoint/`` (config.json + model.safetensors of the last epoch: what vLLM serves as an
-EAGLE-3 draft and speculators' ``from_pretrained`` reads), ``metrics.json``, ``loss.png``.
+EAGLE-3 draft and speculators' ``from_pretrained`` reads), ``metrics.json``, ``loss.png``,
+``tensorboard/`` (the event files).
 """
 import contextlib
 import json
@@ -68,6 +74,7 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "seed": 0,                     # initialisation, packing, the train/validation split
     "gpus": 1,                     # GPUs for training: > 1 runs speculators' trainer under torchrun
     "draft_attn_impl": "auto",     # the draft's attention: auto (sdpa on CPU, simple_flex_attention on GPUs)
+    "logger": "tensorboard",       # speculators' --logger: tensorboard, wandb, mlflow, trackio, a comma list, or ""
     "online": False,               # hidden states from a live vLLM extract server, never stored (extract skipped)
     "max_seq_len": 512,            # online: the extract server's max_model_len is this + 1
     "tensor_parallel": 1,          # online: GPUs the target is split over
@@ -90,6 +97,32 @@ def draft_config(spec: dict, cfg: common.Settings, path) -> None:
         trust_remote_code=bool(spec["model"].get("trust_remote_code")))
     config.intermediate_size = int(cfg.draft_intermediate_size)
     path.write_text(config.to_json_string())
+
+
+#: each of speculators' metric loggers: the package it imports, and the variables that must hold its
+#: credentials on the host (the inventory's ``secrets:`` bring them from the workstation's environment)
+LOGGERS = {"tensorboard": ("tensorboard", ()), "wandb": ("wandb", ("WANDB_API_KEY",)),
+           "mlflow": ("mlflow", ()), "trackio": ("trackio", ())}
+
+
+def check_loggers(value: str) -> None:
+    """``pipeline.logger`` before anything loads: each name one speculators knows, its package installed
+    here, its credentials in this environment (a logger that asks for them would wait on a prompt no one
+    sees, in a detached stage)."""
+    import importlib.util
+
+    for name in filter(None, (part.strip() for part in value.split(","))):
+        if name not in LOGGERS:
+            common.fail(STAGE, f"pipeline.logger {name!r} is not one of speculators' loggers "
+                               f"({', '.join(LOGGERS)}); fix pipeline.logger")
+        package, credentials = LOGGERS[name]
+        if importlib.util.find_spec(package) is None:
+            common.fail(STAGE, f"pipeline.logger {name}: the {package} package is not installed on this host; "
+                               f"add {package} to the host's requirements (inv setup) or drop it from pipeline.logger")
+        missing = [v for v in credentials if not os.environ.get(v)]
+        if missing:
+            common.fail(STAGE, f"pipeline.logger {name}: {missing[0]} is not set on the host; name it in the "
+                               "inventory's secrets: (its value comes from your shell, never stored there)")
 
 
 def extraction(spec: dict) -> tuple[dict, list[Path]]:
@@ -174,6 +207,9 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         "--hidden-states-dtype", common.vllm_dtype(cfg, on_gpu) or "bfloat16",
         "--save-path", save_path,
     ]
+    if cfg.logger:  # the event files land in the artifacts, so they come back with the run
+        args += ["--logger", cfg.logger, "--log-dir", str(common.artifacts(spec) / "tensorboard"),
+                 "--run-name", spec["run_id"]]
     if not on_gpu:  # the fused loss is a Triton GPU kernel; data loader workers only compete for the cores
         args += ["--loss-implementation", "eager", "--num-workers", "0"]
     if spec["model"].get("trust_remote_code"):
@@ -213,6 +249,7 @@ def run_training(args: list[str], cfg: common.Settings, on_gpu: bool, node: dict
 
 def main(spec: dict) -> dict:
     cfg = common.settings(spec, SETTINGS)
+    check_loggers(cfg.logger)
     timer = common.Timer()
     dev = common.device(cfg)
     on_gpu = dev.startswith("cuda")

@@ -33,6 +33,8 @@ def train_tapped(args: list[str]) -> MetricsTap:
     finally:
         for handler in (tap, lines):
             root.removeHandler(handler)
+        for handler in logging.getLogger("speculators.metrics").handlers:  # pipeline.logger's: TensorBoard's
+            handler.flush()                                                # event file whole before we return
     return tap
 
 
