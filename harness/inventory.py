@@ -265,6 +265,9 @@ class PipelineSpec(_Strict):
     scheduler: Literal["linear", "cosine", "none"] = _default("scheduler")
     #: current: the draft's attention in training (auto: sdpa on CPU, simple_flex_attention on GPUs)
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
+    #: current: the kind of draft (speculators' --speculator-type); train refuses, before anything loads,
+    #: one the host's vLLM could not serve
+    speculator: Literal["eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress", "mtp"] = _default("speculator")
     #: current: speculators' metric loggers (--logger): tensorboard (its event files come back with the
     #: run: tensorboard --logdir runs/), wandb, mlflow, trackio, a comma list, or "" for none; a
     #: logger's credentials by name in secrets:

@@ -1,9 +1,11 @@
-"""Stage train (speculators 0.5+): an EAGLE-3 draft with ``speculators train`` (its CLI, model, data and Trainer).
+"""Stage train (speculators 0.5+): a draft with ``speculators train`` (its CLI, model, data and Trainer).
 
 Reads prepare's ``dataset/`` (the Arrow rows), extract's ``hidden_states/`` and ``extract.json`` (the
 layer ids) and vocab's ``d2t.npy`` / ``t2d.npy``, and gives them to speculators' own training command,
 read by speculators' own config resolver (``TrainConfig.resolve``), so every flag is the documented one:
-``--speculator-type eagle3``, ``--data-path`` the dataset, ``--hidden-states-path`` the extracted files,
+``--speculator-type`` ``pipeline.speculator`` (eagle3 by default; dflash and the others speculators trains,
+each refused in one line before anything loads where this host's vLLM could not serve it:
+stages/lib/drafttypes.py), ``--data-path`` the dataset, ``--hidden-states-path`` the extracted files,
 ``--target-layer-ids`` as extracted, ``pipeline.draft_layers`` decoder layers (with
 ``pipeline.draft_intermediate_size`` a narrower MLP: the decoder config speculators would build, narrowed,
 given as ``--draft-config``), ``pipeline.ttt_steps``
@@ -52,6 +54,7 @@ import sys
 from pathlib import Path
 
 from stages import common
+from stages.lib import drafttypes
 from stages.lib.trainlog import MetricsTap, plot
 from stages.lib.trainworker import train_tapped
 
@@ -59,6 +62,7 @@ STAGE = "train"
 READS = ("prepare", "extract", "vocab")  # prepare's dataset/, extract's hidden_states/, vocab's d2t/t2d
 GPU = True                   # trains on the GPUs (torchrun over pipeline.gpus)
 SETTINGS = {                 # the pipeline settings this stage reads, with their defaults
+    "speculator": "eagle3",        # speculators' --speculator-type: eagle3, dflash, ... (stages/lib/drafttypes.py)
     "draft_layers": 1,             # decoder layers of the draft
     "draft_intermediate_size": None,  # the draft's MLP width; unset: the target's
     "epochs": 1,                   # passes over the training samples
@@ -91,7 +95,8 @@ def draft_config(spec: dict, cfg: common.Settings, path) -> None:
 
     defaults = DraftArgs()
     config = create_transformer_layer_config(
-        verifier_name_or_path=common.model_dir(spec), num_layers=cfg.draft_layers, draft_arch=defaults.draft_arch or "llama",
+        verifier_name_or_path=common.model_dir(spec), num_layers=cfg.draft_layers,
+        draft_arch=defaults.draft_arch or drafttypes.draft_arch(cfg.speculator),
         hidden_act=defaults.draft_hidden_act or None, sliding_window=defaults.sliding_window,
         full_attention_indices=defaults.full_attention_indices, mrope_full_head_hack=defaults.draft_mrope_full_head_hack,
         trust_remote_code=bool(spec["model"].get("trust_remote_code")))
@@ -187,7 +192,7 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
     draft_vocab = int(np.load(vocab / "d2t.npy").shape[0])
     attn = cfg.draft_attn_impl if cfg.draft_attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
     args = [
-        "--speculator-type", "eagle3",
+        "--speculator-type", cfg.speculator,
         "--verifier-name-or-path", common.model_dir(spec),
         "--data-path", data_path or str(prepared / "dataset"),
         "--hidden-states-path", hidden_states,
@@ -195,7 +200,8 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         "--draft-vocab-size", str(draft_vocab),
         "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
         *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
-        "--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay),
+        *(["--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay)]
+          if cfg.speculator == drafttypes.EAGLE3 else []),  # the other types draft in parallel: no TTT steps
         *(["--loss-fn", cfg.loss_fn] if cfg.loss_fn else []),
         "--total-seq-len", str(cfg.train_seq_len),
         "--train-data-ratio", str(1.0 - cfg.val_fraction),
@@ -259,6 +265,12 @@ def main(spec: dict) -> dict:
     if node["size"] > 1:  # ...except a multi-host job, whose ranks must all start from one epoch
         shutil.rmtree(save_path, ignore_errors=True)
     meta, shards = extraction(spec)
+    import numpy as np
+
+    refused = drafttypes.refusal(cfg.speculator, on_gpu, int(np.load(common.input_dir(spec, "vocab") / "d2t.npy").shape[0]),
+                                 int(meta["vocab_size"]))
+    if refused:  # before anything loads: the draft could not be served from this host
+        common.fail(STAGE, refused)
     if cfg.online:  # an empty directory: every sample is missing, so the loader asks the server for it
         hidden_states = out / "online"
         shutil.rmtree(hidden_states, ignore_errors=True)
@@ -310,13 +322,13 @@ def main(spec: dict) -> dict:
     last = tap.train[-1] if tap.train else {}
     val = tap.val[-1] if tap.val else {}
     common.write_json(out / "metrics.json", {"train": tap.train, "val": tap.val, "config": {
-        "epochs": cfg.epochs, "ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+        "speculator": cfg.speculator, "epochs": cfg.epochs, "ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
         "lr": cfg.lr, "optimizer": cfg.optimizer, "scheduler": cfg.scheduler,
         "draft_intermediate_size": cfg.draft_intermediate_size, "online": cfg.online,
         "loss_tokens": cfg.loss_tokens, "loss_fn": cfg.loss_fn, "args": args}})
     if tap.train:
         plot(tap, out / "loss.png")
-    return {"epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
+    return {"speculator": cfg.speculator, "epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
             "full_acc_0": last.get("full_acc_0"), "val_loss": val.get("loss_epoch"),
             "val_full_acc_0": val.get("full_acc_0_epoch"), "val_full_acc_1": val.get("full_acc_1_epoch"),
             "val_full_acc_2": val.get("full_acc_2_epoch"), "nodes": node["size"], "seconds": timer(),

@@ -26,13 +26,23 @@ import struct
 from hostcore import text_config
 
 ALGOS = ("vllm", "transformers_utils", "configs", "speculators", "algos.py")
-#: config.json fields that change what an EAGLE-3 draft computes -> the value a vLLM that does not read
-#: the field computes with (None: there is no such value, the field must be read)
+#: config.json fields that change what an EAGLE-3 (or P-EAGLE) draft computes -> the value a vLLM that does
+#: not read the field computes with (None: there is no such value, the field must be read)
 OFF = {"norm_before_fc": False, "fc_norm": False, "norm_output": False, "norm_before_residual": None,
        "eagle_aux_hidden_state_layer_ids": None, "draft_vocab_size": None}
-#: the trainer's default for a field it may leave out (speculators' Eagle3SpeculatorConfig)
-TRAINER_DEFAULT = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
-REQUIRED = ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size")
+#: the same for the DFlash family (dflash, dflash2, dspark: parallel drafting from a block of mask tokens)
+DFLASH_OFF = {"aux_hidden_state_layer_ids": None, "mask_token_id": None, "draft_vocab_size": None,
+              "sample_from_anchor": False, "sliding_window_non_causal": None}
+#: the trainer's default for a field it may leave out (speculators 0.9's config classes), by draft type
+EAGLE_DEFAULT = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+TRAINER_DEFAULT = {"eagle3": EAGLE_DEFAULT, "peagle": EAGLE_DEFAULT,
+                   "dflash": {"sample_from_anchor": False, "sliding_window_non_causal": False},
+                   "dflash2": {"sample_from_anchor": False, "sliding_window_non_causal": True},
+                   "dspark": {"sample_from_anchor": False, "sliding_window_non_causal": False}}
+#: DSpark's drafter attends causally within its block unless told otherwise (its trainer's default)
+DSPARK_OFF = {**DFLASH_OFF, "sliding_window_non_causal": False}
+FIELDS = {"eagle3": OFF, "peagle": OFF, "dflash": DFLASH_OFF, "dflash2": DFLASH_OFF, "dspark": DSPARK_OFF}
+REQUIRED = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size")
 _UNSET = object()
 
 
@@ -70,7 +80,20 @@ def reader(vllm_root):
         if not names:
             continue
         reads = {}
+        # ``for key in ("a", "b"): config_dict.get(key)`` reads each of those names
+        looped = {loop.target.id: [e.value for e in loop.iter.elts] for loop in ast.walk(fn)
+                  if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name)
+                  and isinstance(loop.iter, (ast.Tuple, ast.List))
+                  and all(isinstance(e, ast.Constant) for e in loop.iter.elts)}
         for node in ast.walk(fn):
+            key = node.args[0] if isinstance(node, ast.Call) and node.args else getattr(node, "slice", None)
+            if isinstance(key, ast.Name) and key.id in looped and (
+                    (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "get"
+                     and getattr(node.func.value, "id", "") == "config_dict")
+                    or (isinstance(node, ast.Subscript) and getattr(node.value, "id", "") == "config_dict")):
+                for name in looped[key.id]:
+                    reads.setdefault(name, _UNSET)
+                continue
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
                     and getattr(node.func.value, "id", "") == "config_dict" and node.args \
                     and isinstance(node.args[0], ast.Constant):
@@ -136,7 +159,8 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
                 "a draft it serves (pipeline.speculator)" % (kind, v, ", ".join(sorted(types)) or "none", kind)]
     reads = types[kind]
     out = []
-    for field, off in OFF.items():
+    defaults = TRAINER_DEFAULT.get(kind, {})
+    for field, off in FIELDS.get(kind, OFF).items():
         present = field in config and config[field] is not None and config[field] != []
         value = config.get(field)
         if field not in reads:
@@ -152,11 +176,11 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
         if field in REQUIRED and not present:
             out.append("%s is missing from config.json: %s would %s; write the values the draft was trained with "
                        "(the train run's metadata has them) or train again" % (
-                           field, v, "fall back to its own layers" if field.startswith("eagle") else "guess the size"))
-        elif not present and field in TRAINER_DEFAULT and default is not _UNSET and default != TRAINER_DEFAULT[field]:
+                           field, v, "fall back to its own layers" if "layer" in field else "guess it"))
+        elif not present and field in defaults and default is not _UNSET and default != defaults[field]:
             out.append("%s is not in config.json: %s reads it as %s where the trainer's default is %s; write "
-                       "\"%s\": %s into config.json" % (field, v, json.dumps(default), json.dumps(TRAINER_DEFAULT[field]),
-                                                       field, json.dumps(TRAINER_DEFAULT[field])))
+                       "\"%s\": %s into config.json" % (field, v, json.dumps(default), json.dumps(defaults[field]),
+                                                       field, json.dumps(defaults[field])))
     layer = config.get("transformer_layer_config") or {}
     rows = d2t_rows(checkpoint)
     if config.get("draft_vocab_size") and rows is not None and rows != config["draft_vocab_size"]:
