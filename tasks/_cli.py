@@ -308,12 +308,12 @@ class ByteBar:
 class _WaivedPositional(Argument):
     """A positional argument that counts as given once another flag is set (``waived_by``)."""
 
-    waived_by: Argument | None = None
+    waived_by: tuple[Argument, ...] = ()
 
     @property
     def value(self) -> Any:
         v = self._value if self._value is not None else self.default
-        if v is None and self.waived_by is not None and self.waived_by.value:
+        if v is None and any(flag.value for flag in self.waived_by):
             return ""
         return v
 
@@ -325,18 +325,18 @@ class _WaivedPositional(Argument):
 class WaivablePositionalTask(Task):
     """A task whose positional argument a flag makes unnecessary: ``inv deploy RUN`` and ``inv deploy
     --rollback`` (invoke requires every positional argument, and eats a token for one only while it is
-    missing: a default would stop it from ever taking one). ``waive={"run": "rollback"}``."""
+    missing: a default would stop it from ever taking one). ``waive={"run": ("rollback", "best")}``."""
 
-    def __init__(self, *args, waive: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, waive: dict[str, str | tuple[str, ...]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.waive = waive or {}
 
     def get_arguments(self, ignore_unknown_help=None):
         args = super().get_arguments(ignore_unknown_help=ignore_unknown_help)
         by_name = {a.name: a for a in args}
-        for name, flag in self.waive.items():
+        for name, flags in self.waive.items():
             by_name[name].__class__ = _WaivedPositional
-            by_name[name].waived_by = by_name[flag]
+            by_name[name].waived_by = tuple(by_name[f] for f in ((flags,) if isinstance(flags, str) else flags))
         return args
 
 

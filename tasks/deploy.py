@@ -5,17 +5,18 @@ from tasks._cli import (COMMON_HELP, LiveView, WaivablePositionalTask, clean_err
                         load, number)
 
 
-@task(klass=WaivablePositionalTask, waive={"run": "rollback"}, positional=["run"], help=COMMON_HELP | {
+@task(klass=WaivablePositionalTask, waive={"run": ("rollback", "best")}, positional=["run"], help=COMMON_HELP | {
     "run": "the train run whose checkpoint to serve (inv runs.list)",
     "k": "draft tokens per step (default: the inventory's deploy.k)",
     "min_acceptance": "the live acceptance length to clear (default: deploy.min_acceptance)",
     "min_speedup": "tokens/s with the draft / without it to clear, one request at a time and at deploy.concurrency "
                    "(default: deploy.min_speedup)",
     "rollback": "undo the current deploy: the server runs what it ran before it",
+    "best": "deploy the fastest draft of each host's last inv pipeline --compare (instead of RUN)",
     "verbose": "print every line of the deploy's log (by default: one live row per host)"})
 @clean_errors
 def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acceptance=None, min_speedup=None,
-           rollback=False, verbose=False):
+           rollback=False, verbose=False, best=False):
     """Serve RUN's draft from the production server: measure the server without it, restart it with the draft,
     wait for health, measure it again on the same prompts; unhealthy, below deploy.min_acceptance or slower
     than deploy.min_speedup times the server without it, roll back by itself."""
@@ -23,11 +24,18 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
     from harness.errors import HarnessError
     from harness.parallel import on_hosts, with_connection
 
-    if rollback and run:
-        raise HarnessError("--rollback undoes the current deploy: give no RUN with it")
-    if not rollback and not run:
-        raise HarnessError("name the train run to deploy: inv deploy RUN (inv runs.list shows them), or --rollback")
+    if rollback and (run or best):
+        raise HarnessError("--rollback undoes the current deploy: give no RUN or --best with it")
+    if best and run:
+        raise HarnessError("--best deploys the fastest draft of the last comparison: give no RUN with it")
+    if not rollback and not run and not best:
+        raise HarnessError("name the train run to deploy: inv deploy RUN (inv runs.list shows them), --best, or --rollback")
     inv, selected = load(inventory, hosts)
+    runs = {h.name: run for h in selected}
+    if best:  # each host's own fastest variant, found before any connection
+        from harness.compare import best_train_run
+
+        runs = {h.name: best_train_run(h.name)[0] for h in selected}
     k = number(k, "-k", int)
     min_acceptance = number(min_acceptance, "--min-acceptance")
     min_speedup = number(min_speedup, "--min-speedup")
@@ -35,7 +43,7 @@ def deploy(c, run=None, inventory=None, hosts=None, json=False, k=None, min_acce
     with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
         def one(conn):
             view.begin(conn.name, "rollback" if rollback else "deploy")
-            return _deploy.deploy(conn, inv, run, rollback=rollback, k=k, min_acceptance=min_acceptance,
+            return _deploy.deploy(conn, inv, runs[conn.name], rollback=rollback, k=k, min_acceptance=min_acceptance,
                                   min_speedup=min_speedup, on_line=view.for_host(conn.name))
 
         results = on_hosts(selected, with_connection(inv, one))

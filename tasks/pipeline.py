@@ -11,22 +11,27 @@ from tasks._cli import (COMMON_HELP, LiveView, clean_errors, console, emit_json,
                           "plan": "change nothing: per host, the stages that would run, the target's shape, the "
                                   "hidden states' size against the free space, the GPUs, a verdict (exit 1: "
                                   "does not fit)",
+                          "compare": "SETTING=A,B[,...]: the pipeline once per value of one pipeline setting (the "
+                                     "stages they share run once) and one table of the drafts side by side: "
+                                     "acceptance per position and category, tokens/s with and without, training "
+                                     "time, checkpoint size (also --json, and a plot); inv deploy --best takes the "
+                                     "fastest",
                           "cluster": "run one job over the inventory's cluster NAME (clusters: in inventory.yaml): "
                                      "extraction sharded over its hosts, training as one torchrun job",
                           "verbose": "print every line of the stages' logs as it comes (by default: one live row per "
                                      "host, each finished stage one line; the logs stay in the runs, inv runs.logs)"})
 @clean_errors
 def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_pull=False, no_patch=False,
-             plan=False, cluster=None, verbose=False):
+             plan=False, cluster=None, verbose=False, compare=None):
     """Patch if needed, then prepare -> extract -> vocab -> train -> evaluate, skipping unchanged stages."""
     from harness import pipeline as _pipeline
+    from harness.errors import HarnessError
     from harness.parallel import on_hosts, with_connection
 
     inv, selected = load(inventory, hosts)
     stages = _pipeline.select_stages(from_, to)  # bad stage names fail before any connection
     if cluster is not None:
         from harness.cluster import cluster_of
-        from harness.errors import HarnessError
 
         if hosts:
             raise HarnessError("--cluster and --hosts: a cluster names its own hosts; give one of the two")
@@ -35,6 +40,10 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
             return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json, verbose)
     if plan:
         return show_plans(inv, selected, stages, json, cluster)
+    if compare is not None:
+        if from_ or to:
+            raise HarnessError("--compare runs each variant's whole pipeline: give no --from or --to with it")
+        return run_compare(inv, selected, compare, not no_pull, not no_patch, json, verbose)
 
     with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
         def one(conn):
@@ -54,6 +63,54 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
             if plots:
                 console("err").print(f"[bold cyan]\\[{escape(name)}][/] pictures: " + "  ".join(escape(p) for p in plots))
     finish(results)
+
+
+def run_compare(inv, selected, spec, pull, patch, json, verbose):
+    """``--compare``: each host's variants, then one table (and plot) per host."""
+    from harness import compare as _compare
+    from harness.parallel import on_hosts, with_connection
+
+    name, values = _compare.parse_variants(spec)
+    for h in selected:  # every value checked against the setting before any connection
+        for value in values:
+            _compare.variant_inventory(inv, h.name, name, value)
+    with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
+        def one(conn):
+            return _compare.run_comparison(conn, inv, name, values, pull=pull, patch=patch,
+                                           say=lambda m: view.say(conn.name, m), on_line=view.for_host(conn.name),
+                                           on_stage=stage_lines(view, conn.name))
+
+        results = on_hosts(selected, with_connection(inv, one))
+    if json:
+        emit_json(results.to_json(lambda comparison: comparison))
+    else:
+        for comparison in results.succeeded.values():
+            print_wide(comparison_table(comparison))
+    finish(results)
+
+
+def comparison_table(comparison: dict):
+    """One row a variant: what it costs to train, how often vLLM accepts its tokens, how fast it serves."""
+    from rich.table import Table
+
+    shared = ", ".join(f"{s} {rid}" for s, rid in comparison["shared"].items()) or "none"
+    t = Table(title=f"{comparison['host']}: pipeline.{comparison['setting']} compared (shared runs: {shared})",
+              title_justify="left", header_style="bold",
+              caption=f"saved: {comparison['saved']}; plot: {comparison['plot']}" if comparison.get("plot") else None,
+              caption_justify="left")
+    for col in ("variant", "acceptance", "per position", "per category", "tokens/s", "without", "speedup",
+                "train", "checkpoint", "train run"):
+        t.add_column(col, justify="left" if col in ("variant", "per position", "per category", "train run") else "right")
+    for r in comparison["variants"]:
+        per = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"] or [])
+        cats = " ".join(f"{c} {v['acceptance_length']:.2f}" for c, v in r["categories"].items()
+                        if v.get("acceptance_length") is not None)
+        fast = "*" if r["variant"] == comparison.get("fastest") else ""
+        t.add_row(escape(r["variant"]) + fast, f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "",
+                  per, escape(cats), str(r["tokens_per_s"] or ""), str(r["tokens_per_s_without"] or ""),
+                  f"{r['speedup']:.2f}x" if r["speedup"] else "", f"{r['train_seconds']:.0f}s",
+                  f"{r['checkpoint_bytes'] / 2**20:.1f} MiB" if r["checkpoint_bytes"] else "", r["train_run"] or "")
+    return t
 
 
 def stage_lines(view, host: str):
