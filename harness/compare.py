@@ -95,18 +95,18 @@ def fastest(rows: list[dict]) -> dict | None:
 
 
 def run_comparison(conn, inv: Inventory, name: str, values: list, *, pull: bool = True, patch: bool = True,
-                   run: Callable | None = None, say: Callable[[str], None] | None = None, **kwargs) -> dict:
+                   say: Callable[[str], None] | None = None, **kwargs) -> dict:
     """Each variant's pipeline on ``conn``'s host, one after the other (the shared runs run once, the
-    later variants skip them), then the comparison: saved under runs/comparisons/ and returned."""
+    later variants skip them), then the comparison: saved under runs/comparisons/ and returned.
+    ``kwargs`` go to each run_pipeline (on_line, on_stage)."""
     from harness.pipeline import run_pipeline
 
     say = say or (lambda m: None)
-    run = run or run_pipeline
     inventories = [variant_inventory(inv, conn.name, name, v) for v in values]  # every value checked first
     rows = []
     for value, inv_v in zip(values, inventories):
         say(f"variant {name}={value}")
-        runs = run(conn, inv_v, pull=pull, patch=patch and not rows, say=say, **kwargs)
+        runs = run_pipeline(conn, inv_v, pull=pull, patch=patch and not rows, say=say, **kwargs)
         rows.append(variant_row(name, value, runs))
     best = fastest(rows)
     comparison = {"host": conn.name, "setting": name, "values": values, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
