@@ -140,10 +140,9 @@ def check_capture(model, samples, captured: list[int], dev: str) -> tuple[list, 
         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def write_inputs(work: Path, model_dir: Path, samples, states, layer_ids: list[int], captured: list[int],
+def write_inputs(work: Path, samples, states, layer_ids: list[int], captured: list[int],
                  vocab_size: int, hidden: int) -> dict:
     """prepare's, extract's and vocab's artifacts as those stages write them, for the train stage."""
-    import numpy as np  # noqa: F401 - write_mappings saves with it
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
@@ -226,7 +225,7 @@ def main() -> int:
     a = ap.parse_args()
 
     try:
-        import speculators
+        import speculators  # noqa: F401 - only whether it is installed
         import torch
         import transformers
     except ImportError as e:
@@ -277,7 +276,7 @@ def main() -> int:
         del model
         if on_gpu:
             torch.cuda.empty_cache()
-        inputs = write_inputs(work, model_dir, samples, states, layer_ids, captured, vocab_size, hidden)
+        inputs = write_inputs(work, samples, states, layer_ids, captured, vocab_size, hidden)
         tokens = sum(len(ids) for ids, _ in samples) * (1 - 0.125)
 
         # 2. the train stage as the pipeline runs it (on CUDA: FlexAttention + the fused loss)

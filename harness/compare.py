@@ -63,15 +63,14 @@ def variant_row(name: str, value: Any, runs: list) -> dict:
     """One variant's figures from its pipeline's runs (the train and evaluate results, the pulled files)."""
     by = {r.stage: r for r in runs}
     train, evaluate = by.get("train"), by.get("evaluate")
-    metrics = evaluate.result if evaluate else {}
+    trained, metrics = train.result if train else {}, evaluate.result if evaluate else {}
     categories = {c["category"]: c for c in metrics.get("categories") or []}
     held = categories.get(HELDOUT, {})
     return {
         "variant": f"{name}={value}", "setting": name, "value": value,
         "runs": {r.stage: r.run_id for r in runs}, "ran": [r.stage for r in runs if r.ran],
         "train_run": train.run_id if train else None,
-        "speculator": (train.result if train else {}).get("speculator"),
-        "train_seconds": round(float((train.result if train else {}).get("seconds") or 0), 1),
+        "speculator": trained.get("speculator"), "train_seconds": round(float(trained.get("seconds") or 0), 1),
         "checkpoint_bytes": _checkpoint_bytes(train.pulled if train else None),
         "acceptance_length": metrics.get("acceptance_length"),
         "acceptance_per_position": (metrics.get("vllm") or {}).get("acceptance_rate_per_position"),

@@ -49,11 +49,10 @@ def write_config(workdir, config, env_text):
 
 
 def speculative_config(draft):
-    """vLLM's ``--speculative-config`` for an installed draft, k tokens per step: an EAGLE-3 draft named as
-    such, another type (DFlash, ...) read by vLLM from the checkpoint's own speculators config."""
-    config = read_json(os.path.join(draft["checkpoint"], "config.json")) or {}
-    method = {"method": "eagle3"} if config.get("speculators_model_type", "eagle3") == "eagle3" else {}
-    return {**method, "model": draft["checkpoint"], "num_speculative_tokens": int(draft["k"])}
+    """vLLM's ``--speculative-config`` for an installed draft (``draftcheck.speculative_config``)."""
+    from stages.lib import draftcheck  # noqa: PLC0415 - stdlib only, as this module
+
+    return draftcheck.speculative_config(draft["checkpoint"], draft["k"])
 
 
 class ServiceError(Exception):

@@ -225,10 +225,8 @@ def main(spec: dict) -> dict:
     server_args = dict(log_path=out / "server.log", max_model_len=cfg.max_seq_len + cfg.max_new_tokens,
                        tensor_parallel=cfg.tensor_parallel, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        trust_remote_code=bool(spec["model"].get("trust_remote_code")), dtype=server_dtype(cfg))
-    kind = json.loads((checkpoint / "config.json").read_text()).get("speculators_model_type", "eagle3")
-    # an EAGLE-3 draft named as such; another type vLLM reads from the checkpoint's speculators config
-    speculative = {**({"method": "eagle3"} if kind == "eagle3" else {}), "model": str(checkpoint),
-                   "num_speculative_tokens": k}
+    kind = draftcheck.draft_type(checkpoint)
+    speculative = draftcheck.speculative_config(checkpoint, k)
     # 1. live: the target served with the draft, as production will serve it, one category at a time
     replies, live = {}, {}
     with VllmServer(STAGE, model_path, **server_args,

@@ -182,14 +182,18 @@ def every_position_dataset(prepared: Path, where: Path) -> Path:
     return where
 
 
+def draft_vocab_size(spec: dict) -> int:
+    """The draft's vocabulary: the rows of vocab's d2t.npy."""
+    import numpy as np
+
+    return int(np.load(common.input_dir(spec, "vocab") / "d2t.npy").shape[0])
+
+
 def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_gpu: bool, hidden_states: str,
                draft_config_path: str | None = None, data_path: str | None = None) -> list[str]:
     """speculators' own training flags for this run (``meta``: the extraction's, see ``extraction``;
     ``data_path``: the dataset to train on, prepare's unless given)."""
     vocab, prepared = common.input_dir(spec, "vocab"), common.input_dir(spec, "prepare")
-    import numpy as np
-
-    draft_vocab = int(np.load(vocab / "d2t.npy").shape[0])
     attn = cfg.draft_attn_impl if cfg.draft_attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
     args = [
         "--speculator-type", cfg.speculator,
@@ -197,7 +201,7 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         "--data-path", data_path or str(prepared / "dataset"),
         "--hidden-states-path", hidden_states,
         "--target-layer-ids", *[str(i) for i in meta["target_layer_ids"]],
-        "--draft-vocab-size", str(draft_vocab),
+        "--draft-vocab-size", str(draft_vocab_size(spec)),
         "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
         *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
         *(["--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay)]
@@ -265,10 +269,7 @@ def main(spec: dict) -> dict:
     if node["size"] > 1:  # ...except a multi-host job, whose ranks must all start from one epoch
         shutil.rmtree(save_path, ignore_errors=True)
     meta, shards = extraction(spec)
-    import numpy as np
-
-    refused = drafttypes.refusal(cfg.speculator, on_gpu, int(np.load(common.input_dir(spec, "vocab") / "d2t.npy").shape[0]),
-                                 int(meta["vocab_size"]))
+    refused = drafttypes.refusal(cfg.speculator, on_gpu, draft_vocab_size(spec), int(meta["vocab_size"]))
     if refused:  # before anything loads: the draft could not be served from this host
         common.fail(STAGE, refused)
     if cfg.online:  # an empty directory: every sample is missing, so the loader asks the server for it

@@ -198,6 +198,19 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
     return out
 
 
+def draft_type(checkpoint):
+    """The checkpoint's ``speculators_model_type`` (eagle3 where absent: a config from before the field)."""
+    with open(os.path.join(str(checkpoint), "config.json")) as f:
+        return json.load(f).get("speculators_model_type", "eagle3")
+
+
+def speculative_config(checkpoint, k):
+    """vLLM's ``--speculative-config`` for the draft in ``checkpoint``, k tokens per step: an EAGLE-3 draft
+    named as such, another type (DFlash, ...) read by vLLM from the checkpoint's own speculators config."""
+    method = {"method": "eagle3"} if draft_type(checkpoint) == "eagle3" else {}
+    return {**method, "model": str(checkpoint), "num_speculative_tokens": int(k)}
+
+
 def preflight(checkpoint):
     """``{"vllm": version, "problems": [...]}`` of this interpreter's vLLM with the draft (no vLLM: none)."""
     root, version = installed_vllm()
