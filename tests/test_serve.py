@@ -405,18 +405,18 @@ def test_a_service_whose_port_is_taken_fails_once_naming_it(served, current_pyth
     assert st["running"] is False, st
 
 
-def test_the_managed_server_command_follows_the_host_and_the_inventory():
+def test_the_managed_server_command_follows_the_host_and_the_inventory(tmp_path, monkeypatch):
     """The managed server's command line (runtime/service.py): on a host without an accelerator, eager
     unless the inventory's args ask for compilation; float32 only with a draft on a CPU that emulates
-    bf16, and never over a dtype the inventory gives."""
-    import sys
+    bf16, and never over a dtype the inventory gives. An EAGLE-3 draft is named as such; another type
+    (DFlash) is left for vLLM to read from the checkpoint's own config."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "remote"))  # as the host's code dir
+    from runtime.service import server_argv
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "remote"))
-    try:
-        from runtime.service import server_argv
-    finally:
-        sys.path.pop(0)
-    draft = {"checkpoint": "/ckpt", "k": 3}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    draft = {"checkpoint": str(ckpt), "k": 3}
     config = {"python": "py", "vllm": {"port": 8001, "args": ["--max-model-len", "256"]}}
 
     def argv(**kw):
@@ -432,6 +432,11 @@ def test_the_managed_server_command_follows_the_host_and_the_inventory():
     own = argv(draft=draft, accelerator=False, native_bf16=False,
                config={"vllm": {"args": ["--dtype=bfloat16", "--no-enforce-eager"]}})
     assert own.count("--dtype=bfloat16") == 1 and "float32" not in own and "--enforce-eager" not in own
+    spec = json.loads(with_draft[with_draft.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": 3}, spec
+    (ckpt / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+    dflash = argv(draft=draft, accelerator=True)
+    assert json.loads(dflash[dflash.index("--speculative-config") + 1]) == {"model": str(ckpt), "num_speculative_tokens": 3}
 
 
 @pytest.mark.timeout(1800)
