@@ -1,4 +1,4 @@
-"""``inv pipeline --compare``: several variants of one pipeline setting on one host, measured side by side.
+"""``inv pipeline --compare``: several variants of the pipeline's settings on one host, measured side by side.
 
 Why here: the runs are content-addressed, so the variants of a train setting (``speculator=eagle3,dflash``,
 ``draft_layers=1,2``) share the prepare, extract and vocab runs, which run once; each variant trains and
@@ -24,30 +24,52 @@ from harness.runs import local_runs_dir
 HELDOUT = "held-out (all)"
 
 
-def parse_variants(text: str) -> tuple[str, list[Any]]:
-    """``NAME=V1,V2,...`` -> (NAME, [V1, V2, ...]), each value read as YAML (numbers, booleans, strings);
-    the name must be a pipeline setting and the values at least two, distinct."""
-    name, sep, values = (text or "").partition("=")
+def _setting(text: str, pair: str) -> tuple[str, str]:
+    name, sep, value = pair.partition("=")
     name = name.strip()
-    if not sep or not name or not values.strip():
-        raise HarnessError(f"--compare {text!r}: give SETTING=VALUE1,VALUE2 (e.g. speculator=eagle3,dflash)")
+    if not sep or not name or not value.strip():
+        raise HarnessError(f"--compare {text!r}: give SETTING=VALUE1,VALUE2 (e.g. speculator=eagle3,dflash), or one "
+                           "--compare per variant: SETTING=VALUE [SETTING=VALUE ...]")
     if name not in PipelineSpec.model_fields:
         raise HarnessError(f"--compare: {name!r} is not a pipeline setting (see inventory.yaml's pipeline:)")
-    parsed = [yaml.safe_load(v.strip()) if v.strip() else "" for v in values.split(",")]
-    if len(parsed) < 2 or len({json.dumps(v, sort_keys=True) for v in parsed}) < len(parsed):
-        raise HarnessError(f"--compare {text!r}: give two or more distinct values of {name}")
-    return name, parsed
+    return name, value.strip()
 
 
-def variant_inventory(inv: Inventory, host: str, name: str, value: Any) -> Inventory:
-    """``inv`` as ``host`` sees it with pipeline.NAME = VALUE over the host's own setting; a value the
-    setting refuses is one line naming both."""
+def parse_variants(specs: str | list[str]) -> list[dict[str, Any]]:
+    """The variants, each the pipeline settings it changes, values read as YAML (numbers, booleans, strings).
+    One ``NAME=V1,V2,...``: one variant per value of one setting. Several (one ``--compare`` each):
+    ``NAME=V [NAME2=V2 ...]`` one variant each, so variants may differ in several settings
+    (``speculator=eagle3`` against ``speculator=dflash draft_layers=2``). At least two, all distinct."""
+    specs = [specs] if isinstance(specs, str) else list(specs or [])
+    if len(specs) == 1:
+        name, values = _setting(specs[0], specs[0])
+        variants = [{name: yaml.safe_load(v.strip()) if v.strip() else ""} for v in values.split(",")]
+    else:
+        variants = []
+        for text in specs:
+            pairs = [_setting(text, pair) for pair in text.split()] or [_setting(text, text)]
+            variants.append({name: yaml.safe_load(value) for name, value in pairs})
+    if len(variants) < 2 or len({json.dumps(v, sort_keys=True) for v in variants}) < len(variants):
+        what = ", ".join(dict.fromkeys(n for v in variants for n in v)) or "a setting"
+        raise HarnessError(f"--compare {' '.join(specs)!r}: give two or more distinct values of {what}")
+    return variants
+
+
+def label(variant: dict[str, Any]) -> str:
+    """``speculator=dflash draft_layers=2``: how a variant is named in the table, the JSON and --best."""
+    return " ".join(f"{name}={value}" for name, value in variant.items())
+
+
+def variant_inventory(inv: Inventory, host: str, variant: dict[str, Any]) -> Inventory:
+    """``inv`` as ``host`` sees it with the variant's settings over the host's own; a value a setting
+    refuses is one line naming both."""
     merged = inv.pipeline_for(host).model_dump(exclude_unset=False)
     try:
-        pipeline = PipelineSpec.model_validate({**merged, name: value})
+        pipeline = PipelineSpec.model_validate({**merged, **variant})
     except ValidationError as e:
         err = e.errors()[0]
-        raise HarnessError(f"--compare: pipeline.{name} = {value!r}: {err['msg']}") from None
+        name = str(err["loc"][0]) if err.get("loc") else next(iter(variant))
+        raise HarnessError(f"--compare: pipeline.{name} = {variant.get(name, merged.get(name))!r}: {err['msg']}") from None
     hosts = {**inv.hosts, host: inv.hosts[host].model_copy(update={"pipeline": None})}
     return inv.model_copy(update={"pipeline": pipeline, "hosts": hosts})
 
@@ -59,7 +81,7 @@ def _checkpoint_bytes(pulled: str | None) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def variant_row(name: str, value: Any, runs: list) -> dict:
+def variant_row(variant: dict[str, Any], runs: list) -> dict:
     """One variant's figures from its pipeline's runs (the train and evaluate results, the pulled files)."""
     by = {r.stage: r for r in runs}
     train, evaluate = by.get("train"), by.get("evaluate")
@@ -67,7 +89,7 @@ def variant_row(name: str, value: Any, runs: list) -> dict:
     categories = {c["category"]: c for c in metrics.get("categories") or []}
     held = categories.get(HELDOUT, {})
     return {
-        "variant": f"{name}={value}", "setting": name, "value": value,
+        "variant": label(variant), "settings": variant,
         "runs": {r.stage: r.run_id for r in runs}, "ran": [r.stage for r in runs if r.ran],
         "train_run": train.run_id if train else None,
         "speculator": trained.get("speculator"), "train_seconds": round(float(trained.get("seconds") or 0), 1),
@@ -93,7 +115,7 @@ def fastest(rows: list[dict]) -> dict | None:
     return max(timed, key=lambda r: r["tokens_per_s"]) if timed else None
 
 
-def run_comparison(conn, inv: Inventory, name: str, values: list, *, pull: bool = True, patch: bool = True,
+def run_comparison(conn, inv: Inventory, variants: list[dict], *, pull: bool = True, patch: bool = True,
                    say: Callable[[str], None] | None = None, **kwargs) -> dict:
     """Each variant's pipeline on ``conn``'s host, one after the other (the shared runs run once, the
     later variants skip them), then the comparison: saved under runs/comparisons/ and returned.
@@ -101,14 +123,15 @@ def run_comparison(conn, inv: Inventory, name: str, values: list, *, pull: bool 
     from harness.pipeline import run_pipeline
 
     say = say or (lambda m: None)
-    inventories = [variant_inventory(inv, conn.name, name, v) for v in values]  # every value checked first
+    inventories = [variant_inventory(inv, conn.name, v) for v in variants]  # every value checked first
     rows = []
-    for value, inv_v in zip(values, inventories):
-        say(f"variant {name}={value}")
+    for variant, inv_v in zip(variants, inventories):
+        say(f"variant {label(variant)}")
         runs = run_pipeline(conn, inv_v, pull=pull, patch=patch and not rows, say=say, **kwargs)
-        rows.append(variant_row(name, value, runs))
+        rows.append(variant_row(variant, runs))
     best = fastest(rows)
-    comparison = {"host": conn.name, "setting": name, "values": values, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    comparison = {"host": conn.name, "setting": ", ".join(dict.fromkeys(n for v in variants for n in v)),
+                  "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "shared": shared_runs(rows), "variants": rows, "fastest": best["variant"] if best else None}
     path = comparison_path(conn.name)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -279,6 +279,10 @@ class PipelineSpec(_Strict):
     #: such as '{"ce": 0.1, "tv": 0.9}'); unset: speculators' own default for EAGLE-3 (kl_div)
     loss_fn: str | None = _default("loss_fn")
     ttt_steps: int = _default("ttt_steps", ge=1)
+    #: current, DFlash family: the anchor and the tokens it drafts at once (unset: ttt_steps + 1, what vLLM
+    #: asks of it at k = ttt_steps); max_anchors: its anchor positions per batch (unset: speculators' 512)
+    block_size: int | None = _default("block_size", ge=2)
+    max_anchors: int | None = _default("max_anchors", ge=1)
     #: TTT steps after the first read the verified next token (speculators' use_off_policy_tokens)
     #: rather than the draft's own guess: a chain only goes on past an accepted token, which equals it
     ttt_verified_tokens: bool = _default("ttt_verified_tokens")

@@ -5,14 +5,15 @@ from invoke import task
 from tasks._cli import (COMMON_HELP, LiveView, clean_errors, console, emit_json, escape, finish, load, print_wide)
 
 
-@task(help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
+@task(iterable=["compare"], help=COMMON_HELP | {"from": "first stage to run (earlier ones must have succeeded before)",
                           "to": "last stage to run", "no_pull": "leave the artifacts on the host",
                           "no_patch": "do not apply the patch set first",
                           "plan": "change nothing: per host, the stages that would run, the target's shape, the "
                                   "hidden states' size against the free space, the GPUs, a verdict (exit 1: "
                                   "does not fit)",
-                          "compare": "SETTING=A,B[,...]: the pipeline once per value of one pipeline setting (the "
-                                     "stages they share run once) and one table of the drafts side by side: "
+                          "compare": "SETTING=A,B[,...]: the pipeline once per value of one pipeline setting; or "
+                                     "once per --compare, each 'SETTING=V [SETTING=V ...]' (variants that differ in "
+                                     "several settings). The stages they share run once; one table of the drafts side by side: "
                                      "acceptance per position and category, tokens/s with and without, training "
                                      "time, checkpoint size (also --json, and a plot); inv deploy --best takes the "
                                      "fastest",
@@ -40,7 +41,7 @@ def pipeline(c, inventory=None, hosts=None, json=False, from_=None, to=None, no_
             return run_cluster(inv, cluster, from_, to, not no_pull, not no_patch, json, verbose)
     if plan:
         return show_plans(inv, selected, stages, json, cluster)
-    if compare is not None:
+    if compare:
         if from_ or to:
             raise HarnessError("--compare runs each variant's whole pipeline: give no --from or --to with it")
         return run_compare(inv, selected, compare, not no_pull, not no_patch, json, verbose)
@@ -70,13 +71,13 @@ def run_compare(inv, selected, spec, pull, patch, json, verbose):
     from harness import compare as _compare
     from harness.parallel import on_hosts, with_connection
 
-    name, values = _compare.parse_variants(spec)
-    for h in selected:  # every value checked against the setting before any connection
-        for value in values:
-            _compare.variant_inventory(inv, h.name, name, value)
+    variants = _compare.parse_variants(spec)
+    for h in selected:  # every value checked against its setting before any connection
+        for variant in variants:
+            _compare.variant_inventory(inv, h.name, variant)
     with LiveView([h.name for h in selected], verbose=verbose, show=not json) as view:
         def one(conn):
-            return _compare.run_comparison(conn, inv, name, values, pull=pull, patch=patch,
+            return _compare.run_comparison(conn, inv, variants, pull=pull, patch=patch,
                                            say=lambda m: view.say(conn.name, m), on_line=view.for_host(conn.name),
                                            on_stage=stage_lines(view, conn.name))
 

@@ -52,9 +52,12 @@ def test_two_draft_types_compared_over_shared_runs_and_the_fastest_taken(bench):
     assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [2, 4, 5]
     args = json.loads((pulled / dflash["train_run"] / "metrics.json").read_text())["config"]["args"]
     assert args[args.index("--speculator-type") + 1] == "dflash" and "--ttt-steps" not in args
+    # its block: the anchor and the k = ttt_steps tokens vLLM will ask of it, not speculators' 16
+    assert args[args.index("--block-size") + 1] == "4" and config["block_size"] == 4
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     metrics = json.loads((pulled / dflash["runs"]["evaluate"] / "metrics.json").read_text())
     assert metrics["speculator"] == "dflash" and metrics["draft_preflight"] == {"vllm": "0.32.0", "problems": []}
-    assert metrics["vllm"]["draft_tokens"] == 3 * metrics["vllm"]["drafts"]  # k = 3 of its block of 16
+    assert metrics["vllm"]["draft_tokens"] == 3 * metrics["vllm"]["drafts"]  # k = 3, its whole trained block
     assert metrics["offline"] is None and metrics["agree"] is None
     best = max((eagle3, dflash), key=lambda v: v["tokens_per_s"])
     assert comparison["fastest"] == best["variant"]
@@ -82,10 +85,14 @@ def test_two_draft_types_compared_over_shared_runs_and_the_fastest_taken(bench):
     ("speculator=eagle3", "--compare 'speculator=eagle3': give two or more distinct values of speculator"),
     ("speculator=eagle3,medusa", "--compare: pipeline.speculator = 'medusa': Input should be"),
     ("draft_layers=1,zero", "--compare: pipeline.draft_layers = 'zero': Input should be a valid integer"),
+    (("speculator=eagle3", "speculator=dflash block_size=1"), "--compare: pipeline.block_size = 1: Input should be greater"),
+    (("speculator=eagle3", "speculator=dflash nosuch=2"), "--compare: 'nosuch' is not a pipeline setting"),
+    (("speculator=dflash block_size=8", "block_size=8 speculator=dflash"), "give two or more distinct values of speculator, block_size"),
 ])
 def test_a_bad_comparison_is_one_line_before_any_host_is_touched(bench, spec, message):
     root, env = bench
-    r = run_inv("pipeline", "--hosts", "local", "--compare", spec, env={**env, "HARNESS_RUNS_DIR": str(root / "none")},
+    flags = [a for one in ([spec] if isinstance(spec, str) else spec) for a in ("--compare", one)]
+    r = run_inv("pipeline", "--hosts", "local", *flags, env={**env, "HARNESS_RUNS_DIR": str(root / "none")},
                 timeout=120)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (root / "none").exists()
@@ -96,3 +103,13 @@ def test_deploy_best_without_a_comparison_names_what_to_run(bench, tmp_path):
     r = run_inv("deploy", "--best", "--hosts", "local", env={**env, "HARNESS_RUNS_DIR": str(tmp_path)}, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "host local: no comparison at" in r.stderr and "inv pipeline --compare SETTING=A,B first" in r.stderr, r.stderr
+
+
+def test_variants_of_one_setting_or_of_several():
+    """One --compare sweeps one setting; one --compare per variant lets variants differ in several."""
+    from harness.compare import label, parse_variants
+
+    assert parse_variants(["draft_layers=1,2"]) == [{"draft_layers": 1}, {"draft_layers": 2}]
+    variants = parse_variants(["speculator=eagle3", "speculator=dflash block_size=8 epochs=2"])
+    assert variants == [{"speculator": "eagle3"}, {"speculator": "dflash", "block_size": 8, "epochs": 2}]
+    assert [label(v) for v in variants] == ["speculator=eagle3", "speculator=dflash block_size=8 epochs=2"]

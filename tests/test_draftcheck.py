@@ -82,3 +82,17 @@ def test_each_misread_field_is_named(tmp_path):
         assert len(problems) == 1 and problems[0].startswith(want), (want, problems)
     # given target_hidden_size, a wider target is fine
     assert draftcheck.check(str(checkpoint(tmp_path / "w", target_hidden=256, target_hidden_size=256)), v32, "0.32.0") == []
+
+
+def test_a_block_draft_asked_for_more_tokens_than_its_block_trained_is_refused(tmp_path):
+    """vLLM asks a DFlash draft for num_speculative_tokens and does not read its block_size: k past the
+    block's trained positions would serve untrained positions, so the preflight names both and the way out.
+    An EAGLE-3 draft drafts one token at a time and serves any k."""
+    dflash = checkpoint(tmp_path / "d", speculators_model_type="dflash", block_size=4,
+                        speculators_config={"algorithm": "dflash", "proposal_methods": [{"speculative_tokens": 3}]})
+    assert draftcheck.k_problem(dflash, 3) is None and draftcheck.k_problem(dflash, 2) is None
+    problem = draftcheck.k_problem(dflash, 5)
+    assert problem.startswith("k = 5: this dflash draft was trained to propose 3 tokens per step (its block_size 4)")
+    assert "k <= 3" in problem and "pipeline.block_size 6" in problem
+    assert draftcheck.preflight(dflash, 5)["problems"][-1] == problem
+    assert draftcheck.k_problem(checkpoint(tmp_path / "e"), 8) is None

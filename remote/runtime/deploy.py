@@ -129,13 +129,13 @@ def checked_checkpoint(train_artifacts, run_id):
     return ckpt, files
 
 
-def draft_preflight(service, ckpt, code_dir, run_id):
+def draft_preflight(service, ckpt, code_dir, run_id, k):
     """The draft's config.json against the server's own vLLM (stages/lib/draftcheck.py, run with the
     server's python: its vLLM read as source, not imported), before the server is touched: a field that
     vLLM would ignore or replace by a default refuses the deploy in one line."""
     python = service.config.get("python") or sys.executable
     env = dict(os.environ, PYTHONPATH=code_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([python, "-m", "stages.lib.draftcheck", ckpt], capture_output=True, text=True, env=env,
+    res = subprocess.run([python, "-m", "stages.lib.draftcheck", ckpt, str(int(k))], capture_output=True, text=True, env=env,
                          cwd=code_dir, timeout=120)
     try:
         out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -344,7 +344,7 @@ def deploy(spec, cfg, service):
     ckpt, files = checked_checkpoint(spec["inputs"]["train"], train_run)
     if not service.url:
         raise DeployFailed("the service has no url to measure it through: set hosts.<host>.service.url")
-    preflight = draft_preflight(service, ckpt, code_dir, train_run)
+    preflight = draft_preflight(service, ckpt, code_dir, train_run, cfg["k"])
     prompts, source = measuring_prompts(spec, cfg, train_run)
     if not prompts:
         raise DeployFailed("no prompts to measure the server with: run %s has no held-out prompts and no eval "

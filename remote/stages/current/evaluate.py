@@ -195,7 +195,7 @@ def main(spec: dict) -> dict:
     captured = json.loads((extracted / "extract.json").read_text())["captured_layer_ids"]
     k = cfg.k
     # the draft preflight: would this vLLM read every field of the checkpoint's config.json as written?
-    preflight = draftcheck.preflight(checkpoint)
+    preflight = draftcheck.preflight(checkpoint, k)
     if preflight["problems"]:
         common.fail(STAGE, f"vLLM would misread the draft: {draftcheck.one_line(preflight['problems'])}")
     heldout = conversations.read_prompts(prepared / "heldout.jsonl")

