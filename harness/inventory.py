@@ -204,6 +204,12 @@ def _default(name: str, **constraints: Any) -> Any:
     return Field(default=value, **constraints)
 
 
+def _constant(relative: str, name: str) -> Any:
+    from harness import stagecontract
+
+    return stagecontract.constant(relative, name)
+
+
 #: speculators 0.9's training losses (``speculators.losses.utils``), the names ``--loss-fn`` takes
 LOSS_FNS = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
 
@@ -267,7 +273,7 @@ class PipelineSpec(_Strict):
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = _default("draft_attn_impl")
     #: current: the kind of draft (speculators' --speculator-type); train refuses, before anything loads,
     #: one the host's vLLM could not serve
-    speculator: Literal["eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress", "mtp"] = _default("speculator")
+    speculator: Literal[_constant("stages/lib/drafttypes.py", "TYPES")] = _default("speculator")
     #: current: speculators' metric loggers (--logger): tensorboard (its event files come back with the
     #: run: tensorboard --logdir runs/), wandb, mlflow, trackio, a comma list, or "" for none; a
     #: logger's credentials by name in secrets:
@@ -307,7 +313,7 @@ class PipelineSpec(_Strict):
     @field_validator("logger")
     @classmethod
     def _logger_names(cls, v: str) -> str:
-        known = ("tensorboard", "wandb", "mlflow", "trackio")  # speculators 0.9's LoggingArgs.logger
+        known = tuple(_constant("stages/current/train.py", "LOGGERS"))  # speculators 0.9's LoggingArgs.logger
         for name in filter(None, (part.strip() for part in v.split(","))):
             if name not in known:
                 raise ValueError(f"{name!r} is not one of speculators' loggers ({', '.join(known)})")

@@ -120,10 +120,10 @@ def _literals(path: Path, names: tuple[str, ...]) -> dict[str, tuple[Any, int]]:
 
 
 def _save_literals() -> None:
-    """Write the literals this process read (and only those: edited files' old entries go), when
-    they differ from what the cache held. A cache that cannot be written is no error."""
-    if _parsed is not None and _used == _parsed:
-        return
+    """Write the literals this process read (and only those: edited files' old entries go), when it
+    read one the cache did not hold. A cache that cannot be written is no error."""
+    if _parsed is not None and all(_parsed.get(k) == v for k, v in _used.items()):
+        return  # nothing new read (a process reads the contracts, then the constants: one write at most)
     try:
         data = marshal.dumps(_used)
     except ValueError:  # a literal marshal cannot write: no cache, nothing else changes
@@ -259,6 +259,14 @@ def merged_defaults(remote: Path | None = None) -> dict[str, Any]:
     for g in GENERATIONS:
         out.update(load(remote, g).merged)
     return copy.deepcopy(out)
+
+
+def constant(relative: str, name: str) -> Any:
+    """A module-level literal of a host module other than a stage's contract (``stages/lib/drafttypes.py``'s
+    ``TYPES``), read as the contracts are, so the inventory's checks and the host code name one list."""
+    value = _literals(REMOTE_DIR / relative, (name,))[name][0]
+    _save_literals()
+    return copy.deepcopy(value)
 
 
 def default(name: str) -> Any:
