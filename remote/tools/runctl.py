@@ -55,9 +55,14 @@ def alive(st):
 
 def read_status(rdir):
     """status.json, with a dead run that still claims to be active reported as ``lost``."""
-    st = read_json(os.path.join(rdir, "status.json"))
+    path = os.path.join(rdir, "status.json")
+    st = read_json(path)
     if st is None:
         return None
+    if st.get("state") in ACTIVE and not alive(st):
+        # the wrapper may have written its last state and exited between the read and the check: only
+        # a state read after the wrapper is seen gone says it died in that state
+        st = read_json(path) or st
     if st.get("state") in ACTIVE and not alive(st):
         st["error"] = ("the run's wrapper is gone (host rebooted, or the process was killed) while it was %s"
                        % st["state"])
