@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chain_acceptance, native_bf16, run_inv, write_inventory
+from conftest import REPO, chain_acceptance, native_bf16, run_inv, write_inventory
 from job_support import TINY_CURRENT
 from loopback import free_port
 from models import build_tiny_model
@@ -123,6 +123,60 @@ def test_evaluate_measures_live_in_vllm_and_offline(served):
     assert every["tokens_per_s"] > 0 and every["speedup"] == round(every["tokens_per_s"] / every["tokens_per_s_without"], 3)
     for name in ("ood-code", "ood-math", "ood-writing"):
         assert rows.get(name, {}).get("prompts", 0) + m["left_out"].get(name, 0) == 4, (name, rows, m["left_out"])
+
+
+def test_two_draft_types_compared_over_shared_runs_and_the_fastest_taken(served):
+    """inv pipeline --compare speculator=eagle3,dflash on today's stack (speculators 0.9, vLLM 0.32 on this
+    CPU): the EAGLE-3 variant is the pipeline this module's host has run (every stage skipped), the DFlash
+    one trains and evaluates over the same prepare, extract and vocab runs; each served by vLLM and
+    measured live, in one table; the fastest is the one inv deploy --best takes."""
+    r = served.inv("pipeline", "--compare", "speculator=eagle3,dflash", "--json", timeout=1700)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    comparison = json.loads(r.stdout)["srv"]
+    pulled = Path(served.env["HARNESS_RUNS_DIR"])
+    eagle3, dflash = comparison["variants"]
+    assert (eagle3["variant"], dflash["variant"]) == ("speculator=eagle3", "speculator=dflash")
+    assert (eagle3["speculator"], dflash["speculator"]) == ("eagle3", "dflash")
+    # one prepare, one extract, one vocab: the second variant trained and evaluated only
+    assert set(comparison["shared"]) == {"prepare", "extract", "vocab"}
+    assert eagle3["ran"] == [] and dflash["ran"] == ["train", "evaluate"]
+    assert eagle3["runs"] == {s: served.stages[s]["run_id"] for s in served.stages}
+    assert eagle3["train_run"] != dflash["train_run"]
+    for v in (eagle3, dflash):  # each served by vLLM with its draft and measured live, with and without it
+        assert v["acceptance_length"] >= 1.0 and len(v["acceptance_per_position"]) == 3, v
+        assert v["tokens_per_s"] > 0 and v["tokens_per_s_without"] > 0 and v["checkpoint_bytes"] > 0, v
+        assert {"held-out (all)", "chat"} <= set(v["categories"]), v
+    # the DFlash draft as speculators wrote it and vLLM read it: its own type and fields, no TTT steps, read
+    # by the draft preflight as vLLM's DFlash reader reads it; no offline replay claimed (EAGLE-3's)
+    config = json.loads((pulled / dflash["train_run"] / "checkpoint" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [2, 4, 5]
+    args = json.loads((pulled / dflash["train_run"] / "metrics.json").read_text())["config"]["args"]
+    assert args[args.index("--speculator-type") + 1] == "dflash" and "--ttt-steps" not in args
+    # its block: the anchor and the k = ttt_steps tokens vLLM will ask of it, not speculators' 16
+    assert args[args.index("--block-size") + 1] == "4" and config["block_size"] == 4
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    metrics = json.loads((pulled / dflash["runs"]["evaluate"] / "metrics.json").read_text())
+    assert metrics["speculator"] == "dflash" and metrics["draft_preflight"] == {"vllm": "0.32.0", "problems": []}
+    assert metrics["vllm"]["draft_tokens"] == 3 * metrics["vllm"]["drafts"]  # k = 3, its whole trained block
+    assert metrics["offline"] is None and metrics["agree"] is None
+    best = max((eagle3, dflash), key=lambda v: v["tokens_per_s"])
+    assert comparison["fastest"] == best["variant"]
+    saved = json.loads((pulled / "comparisons" / "srv.json").read_text())
+    assert saved["variants"] == comparison["variants"]
+    assert (pulled / "comparisons" / "srv.png").stat().st_size > 0
+
+    # the same comparison again, for people: every stage skipped, one table, the fastest marked
+    r = served.inv("pipeline", "--compare", "speculator=eagle3,dflash", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "pipeline.speculator compared" in r.stdout and f"{best['variant']}*" in r.stdout, r.stdout
+    assert eagle3["train_run"] in r.stdout and dflash["train_run"] in r.stdout
+
+    # --best resolves to that train run (what inv deploy --best deploys, through the deploy gate)
+    probe = ("import json, sys; from harness.compare import best_train_run; "
+             "print(json.dumps(best_train_run('srv')[0]))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, **served.env})
+    assert p.returncode == 0 and json.loads(p.stdout) == best["train_run"], p.stderr
 
 
 def test_service_start_status_and_metrics_before_any_draft(served):
