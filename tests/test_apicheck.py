@@ -143,14 +143,17 @@ def test_todays_stages_fit_vllm_0340_and_both_profiles_vllm(tmp_path):
 
 
 def test_the_current_line_on_vllm_016_is_told_what_it_lacks(tmp_path):
-    """vLLM 0.16 has neither extract_hidden_states nor its connector: named, at the line that asks."""
+    """vLLM 0.16 has neither extract_hidden_states nor its connector, nor the dflash method a DFlash draft is
+    served by: each named, at the line that asks."""
     r = apicheck.check({"vllm_path": str(vllm_tree("0.16.0")), "speculators_path": str(unpacked_speculators(tmp_path, "0.9.0")),
                         "uses": generations.vllm_uses()})
     got = {(m["where"], m["api"], m["problem"]) for m in r["mismatches"]}
-    src = (generations_remote() / "stages/lib/vllm_server.py").read_text().splitlines()
-    assert {m[1] for m in got} == {"extract_hidden_states", "ExampleHiddenStatesConnector"}, got
+    files = {api: f for f, apis in (("stages/lib/vllm_server.py", ("extract_hidden_states", "ExampleHiddenStatesConnector")),
+                                    ("stages/lib/draftcheck.py", ("dflash",))) for api in apis}
+    assert {m[1] for m in got} == set(files), got
     for where, api, problem in got:
-        assert where.startswith("stages/lib/vllm_server.py:") and api in src[int(where.rsplit(":", 1)[1]) - 1]
+        src = (generations_remote() / files[api]).read_text().splitlines()
+        assert where.startswith(files[api] + ":") and api in src[int(where.rsplit(":", 1)[1]) - 1]
         assert "is not one vLLM knows" in problem
     # a legacy host (speculators 0.3.0) is not held to the current line's uses, only to the runtime's
     r = apicheck.check({"vllm_path": str(vllm_tree("0.16.0")), "speculators_path": str(unpacked_speculators(tmp_path, "0.3.0", True)),
@@ -219,7 +222,7 @@ def test_audit_checks_todays_stages_against_the_hosts_vllm(sshd, host_env, tmp_p
         if status == "pass":
             assert f"uses of its server match vLLM {vllm}" in check["detail"]
         else:
-            assert check["detail"].startswith("2 mismatches with vLLM 0.16.0, e.g. stages/lib/vllm_server.py:"), check
+            assert check["detail"].startswith("3 mismatches with vLLM 0.16.0, e.g. stages/lib/"), check
         shutil.rmtree(py.parent.parent)
 
 

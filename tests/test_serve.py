@@ -41,7 +41,8 @@ class Served:
     def __init__(self, root: Path, sshd, python: Path, model: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.workdir = root / "wd"
+        # the default workdir's name: vLLM reads "eagle-" in a draft's path as EAGLE-1 unless told the method
+        self.workdir = root / ".eagle-harness"
         self.inventory = write_inventory(root, {"srv": sshd.entry(
             python=str(python), workdir=str(self.workdir), profile="cpu",
             env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
@@ -157,6 +158,8 @@ def test_two_draft_types_compared_over_shared_runs_and_the_fastest_taken(served)
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     metrics = json.loads((pulled / dflash["runs"]["evaluate"] / "metrics.json").read_text())
     assert metrics["speculator"] == "dflash" and metrics["draft_preflight"] == {"vllm": "0.32.0", "problems": []}
+    # served by its own method: the path holds "eagle-" (.eagle-harness), which vLLM would take for EAGLE-1
+    assert metrics["speculative_config"]["method"] == "dflash" and "eagle-" in metrics["speculative_config"]["model"]
     assert metrics["vllm"]["draft_tokens"] == 3 * metrics["vllm"]["drafts"]  # k = 3, its whole trained block
     assert metrics["offline"] is None and metrics["agree"] is None
     best = max((eagle3, dflash), key=lambda v: v["tokens_per_s"])
@@ -463,7 +466,7 @@ def test_the_managed_server_command_follows_the_host_and_the_inventory(tmp_path,
     """The managed server's command line (runtime/service.py): on a host without an accelerator, eager
     unless the inventory's args ask for compilation; float32 only with a draft on a CPU that emulates
     bf16, and never over a dtype the inventory gives. An EAGLE-3 draft is named as such; another type
-    (DFlash) is left for vLLM to read from the checkpoint's own config."""
+    (DFlash) by its own method, never left to vLLM's guess from the path."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "remote"))  # as the host's code dir
     from runtime.service import server_argv
 
@@ -490,7 +493,8 @@ def test_the_managed_server_command_follows_the_host_and_the_inventory(tmp_path,
     assert spec == {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": 3}, spec
     (ckpt / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
     dflash = argv(draft=draft, accelerator=True)
-    assert json.loads(dflash[dflash.index("--speculative-config") + 1]) == {"model": str(ckpt), "num_speculative_tokens": 3}
+    assert json.loads(dflash[dflash.index("--speculative-config") + 1]) == {"method": "dflash", "model": str(ckpt),
+                                                                            "num_speculative_tokens": 3}
 
 
 @pytest.mark.timeout(1800)

@@ -292,6 +292,7 @@ def main(spec: dict) -> dict:
                "prompts": sum(len(groups[n]) for n in held_names), "left_out": left_out,
                "generated_tokens": generated, "measured_with": "vllm", "vllm": held_live, "offline": offline,
                "gap": gap, "agree": gap <= GAP_WARNING if offline else None, "speculator": kind,
+               "speculative_config": speculative,
                "categories": categories,
                "speed_prompts": cfg.speed_prompts, "max_new_tokens": cfg.max_new_tokens,
                "draft_preflight": preflight}

@@ -332,7 +332,7 @@ def main(spec: dict) -> dict:
         "draft_intermediate_size": cfg.draft_intermediate_size, "online": cfg.online,
         "loss_tokens": cfg.loss_tokens, "loss_fn": cfg.loss_fn, "args": args}})
     if tap.train:
-        plot(tap, out / "loss.png")
+        plot(tap, out / "loss.png", cfg.speculator)
     return {"speculator": cfg.speculator, "epochs": cfg.epochs, "steps": len(tap.train), "loss": last.get("loss"),
             "full_acc_0": last.get("full_acc_0"), "val_loss": val.get("loss_epoch"),
             "val_full_acc_0": val.get("full_acc_0_epoch"), "val_full_acc_1": val.get("full_acc_1_epoch"),

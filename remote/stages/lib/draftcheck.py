@@ -204,11 +204,18 @@ def draft_type(checkpoint):
         return json.load(f).get("speculators_model_type", "eagle3")
 
 
+#: vLLM's method for a speculators draft type where the two names differ (vLLM's own rule, its
+#: SpeculatorsConfig.build_vllm_speculative_config); any other type is its own method
+VLLM_METHODS = {"peagle": {"method": "eagle3", "parallel_drafting": True}, "dflash2": {"method": "dflash"}}
+
+
 def speculative_config(checkpoint, k):
-    """vLLM's ``--speculative-config`` for the draft in ``checkpoint``, k tokens per step: an EAGLE-3 draft
-    named as such, another type (DFlash, ...) read by vLLM from the checkpoint's own speculators config."""
-    method = {"method": "eagle3"} if draft_type(checkpoint) == "eagle3" else {}
-    return {**method, "model": str(checkpoint), "num_speculative_tokens": int(k)}
+    """vLLM's ``--speculative-config`` for the draft in ``checkpoint``, k tokens per step, its method always
+    named: given none, vLLM guesses it from the draft's path, and "eagle-" anywhere in it (the default
+    workdir, ``~/.eagle-harness``) makes it EAGLE-1, which serves a DFlash draft into a crash at the
+    first request."""
+    kind = draft_type(checkpoint)
+    return {**VLLM_METHODS.get(kind, {"method": kind}), "model": str(checkpoint), "num_speculative_tokens": int(k)}
 
 
 #: the types that draft a block at once and propose at most the block's trained positions (speculators'

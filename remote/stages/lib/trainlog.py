@@ -55,7 +55,12 @@ class MetricsTap(logging.Handler):
                 {k: round(v, 4) for k, v in entry["val"].items()}))
 
 
-def plot(tap: MetricsTap, path):
+#: how the plot names each kind of draft speculators trains (its --speculator-type)
+NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark",
+         "xpress": "XPress", "mtp": "MTP"}
+
+
+def plot(tap: MetricsTap, path, kind: str = "eagle3"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,8 +73,8 @@ def plot(tap: MetricsTap, path):
         ax.plot([(i + 1) * per_epoch for i in range(len(tap.val))], [m["loss_epoch"] for m in tap.val],
                 "o-", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (sum over TTT steps)")
-    ax.set_title("EAGLE-3 draft training")
+    ax.set_ylabel("loss (sum over TTT steps)" if kind == "eagle3" else "loss")
+    ax.set_title(f"{NAMES.get(kind, kind)} draft training")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
