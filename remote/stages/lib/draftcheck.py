@@ -143,8 +143,7 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
     """The problems a vLLM would have with the draft in ``checkpoint`` (a list of one-line reasons);
     the target's hidden size, when not given, from the verifier the draft names."""
     try:
-        with open(os.path.join(checkpoint, "config.json")) as f:
-            config = json.load(f)
+        config = draft_config(checkpoint)
     except (OSError, ValueError) as e:
         return ["%s/config.json cannot be read (%s)" % (checkpoint, e)]
     target_hidden_size = target_hidden_size or verifier_hidden_size(config)
@@ -198,10 +197,20 @@ def check(checkpoint, vllm_root, vllm_version, target_hidden_size=None):
     return out
 
 
-def draft_type(checkpoint):
-    """The checkpoint's ``speculators_model_type`` (eagle3 where absent: a config from before the field)."""
+def draft_config(checkpoint):
+    """The checkpoint's config.json, as speculators wrote it."""
     with open(os.path.join(str(checkpoint), "config.json")) as f:
-        return json.load(f).get("speculators_model_type", "eagle3")
+        return json.load(f)
+
+
+def type_of(config):
+    """A draft config's ``speculators_model_type`` (eagle3 where absent: a config from before the field)."""
+    return config.get("speculators_model_type", "eagle3")
+
+
+def draft_type(checkpoint):
+    """The checkpoint's draft type (``type_of`` its config.json)."""
+    return type_of(draft_config(checkpoint))
 
 
 #: vLLM's method for a speculators draft type where the two names differ (vLLM's own rule, its
@@ -226,9 +235,8 @@ BLOCK_TYPES = ("dflash", "dflash2", "dspark", "xpress")
 def k_problem(checkpoint, k):
     """Why serving the draft with ``k`` tokens per step would ask it for positions it never trained (a
     block type asked past its block), or None. An EAGLE-3 draft drafts one token at a time: any k."""
-    with open(os.path.join(str(checkpoint), "config.json")) as f:
-        config = json.load(f)
-    kind = config.get("speculators_model_type", "eagle3")
+    config = draft_config(checkpoint)
+    kind = type_of(config)
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     trained = methods[0].get("speculative_tokens")
     if kind not in BLOCK_TYPES or trained is None or int(k) <= int(trained):

@@ -10,6 +10,9 @@ from stages.lib import draftcheck
 
 #: speculators 0.9's --speculator-type values
 TYPES = ("eagle3", "peagle", "dflash", "dflash2", "dspark", "xpress", "mtp")
+#: how people write each type (plots, tables)
+NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark",
+         "xpress": "XPress", "mtp": "MTP"}
 #: the types trained with test-time training steps (--ttt-steps) and replayed offline by evaluate
 EAGLE3 = "eagle3"
 #: the types that draft a block at once from an anchor (speculators' ``--block-size``, its DFlash group)

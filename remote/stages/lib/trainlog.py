@@ -8,6 +8,7 @@ import json
 import logging
 
 from stages import common
+from stages.lib import drafttypes
 
 
 def _number(value):
@@ -55,11 +56,6 @@ class MetricsTap(logging.Handler):
                 {k: round(v, 4) for k, v in entry["val"].items()}))
 
 
-#: how the plot names each kind of draft speculators trains (its --speculator-type)
-NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark",
-         "xpress": "XPress", "mtp": "MTP"}
-
-
 def plot(tap: MetricsTap, path, kind: str = "eagle3"):
     import matplotlib
 
@@ -74,7 +70,7 @@ def plot(tap: MetricsTap, path, kind: str = "eagle3"):
                 "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (sum over TTT steps)" if kind == "eagle3" else "loss")
-    ax.set_title(f"{NAMES.get(kind, kind)} draft training")
+    ax.set_title(f"{drafttypes.NAMES.get(kind, kind)} draft training")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
