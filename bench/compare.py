@@ -1,7 +1,7 @@
 """Kinds of draft compared on the embedded default: ``inv pipeline --compare`` on the shipped ``local``
 host (SmolLM2-135M-Instruct, today's stack), as a user runs it after README's main job.
 
-    python bench/compare.py [--inventory inventory.yaml] [--hosts local] [--compare SPEC ...] [--runs-dir DIR]
+    python bench/compare.py [--inventory inventory.yaml] [--hosts local] [--compare SPEC ...] [--runs-dir DIR] [--quick]
 
 Runs ``inv pipeline --hosts HOST --compare SPEC ... --json`` (default ``speculator=eagle3,dflash``) with
 the inventory as it stands, so the host's earlier runs are reused where their inputs are unchanged
@@ -13,7 +13,9 @@ per category, tokens/s with and without the draft, training time) and judges iss
 - the variants share one prepare, one extract and one vocab run, and no variant after the first ran any
   of them.
 
-Exit status 1 when a bar is missed. The figures go to bench/results.md.
+Exit status 1 when a bar is missed. The figures go to bench/results.md. ``--quick``: the same, recording
+nothing (the suite runs it on a tiny target's host whose comparison has already run, so every stage is
+skipped).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def main() -> int:
     ap.add_argument("--hosts", default="local")
     ap.add_argument("--compare", action="append", help="as inv pipeline's (repeatable); default speculator=eagle3,dflash")
     ap.add_argument("--runs-dir", help="the workstation's runs directory (default: the harness's)")
+    ap.add_argument("--quick", action="store_true", help="record nothing in bench/results.md (the suite's run)")
     args = ap.parse_args()
     specs = args.compare or ["speculator=eagle3,dflash"]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-compare-{args.hosts}.log"
@@ -90,7 +93,7 @@ def main() -> int:
     figures.append(("compare: another type served and measured beside EAGLE-3; shared runs",
                     f"{'yes' if bars['another type served and measured beside EAGLE-3'] else 'no'}; "
                     f"{', '.join(comparison['shared']) or 'none'}", "yes; prepare, extract, vocab"))
-    record("compare", figures)
+    record("compare", figures, args.quick)
     return 0 if all(bars.values()) else 1
 
 

@@ -181,6 +181,15 @@ def test_two_draft_types_compared_over_shared_runs_and_the_fastest_taken(served)
                        env={**os.environ, **served.env})
     assert p.returncode == 0 and json.loads(p.stdout) == best["train_run"], p.stderr
 
+    # bench/compare.py, quick, on the same host: every stage skipped, both of its bars judged met
+    from job_support import run_bench
+
+    out = run_bench("compare", "--quick", "--inventory", str(served.inventory), "--hosts", "srv",
+                    "--runs-dir", served.env["HARNESS_RUNS_DIR"], timeout=900)
+    assert "PASS  another type served and measured beside EAGLE-3" in out, out
+    assert "PASS  one prepare, extract and vocab for all variants" in out and "ran nothing" in out, out
+    assert "recorded" not in out, out
+
 
 def test_service_start_status_and_metrics_before_any_draft(served):
     r = served.inv("service.start", timeout=900)
