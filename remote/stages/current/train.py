@@ -208,7 +208,7 @@ def train_args(spec: dict, cfg: common.Settings, meta: dict, save_path: str, on_
         *(["--draft-config", draft_config_path] if draft_config_path else ["--num-layers", str(cfg.draft_layers)]),
         *(["--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.ttt_step_loss_decay)]
           if cfg.speculator == drafttypes.EAGLE3 else []),  # the other types draft in parallel: no TTT steps
-        *(["--block-size", str(drafttypes.block_size(cfg))] if cfg.speculator in drafttypes.BLOCK else []),
+        *(["--block-size", str(drafttypes.block_size(cfg.block_size, cfg.ttt_steps))] if cfg.speculator in drafttypes.BLOCK else []),
         *(["--max-anchors", str(cfg.max_anchors)] if cfg.max_anchors and cfg.speculator in drafttypes.ANCHORED else []),
         *(["--loss-fn", cfg.loss_fn] if cfg.loss_fn else []),
         "--total-seq-len", str(cfg.train_seq_len),

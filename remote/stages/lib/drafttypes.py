@@ -34,12 +34,12 @@ def draft_arch(kind: str) -> str:
     return "llama" if kind == EAGLE3 else "qwen3"
 
 
-def block_size(cfg) -> int:
-    """A block-drafting type's block: ``pipeline.block_size``, else the anchor and as many tokens as an
-    EAGLE-3 draft is trained to propose (``pipeline.ttt_steps``). Why not speculators' own (16 for DFlash):
+def block_size(chosen: int | None, ttt_steps: int) -> int:
+    """A block-drafting type's block: the one chosen (``pipeline.block_size``), else the anchor and as many
+    tokens as an EAGLE-3 draft is trained to propose (``pipeline.ttt_steps``). Why not speculators' own (16 for DFlash):
     vLLM asks a draft for its ``num_speculative_tokens`` (k) and never more, so the positions past k of a
     longer block are trained and never served, and each one costs training time."""
-    return int(cfg.block_size or cfg.ttt_steps + 1)
+    return int(chosen or ttt_steps + 1)
 
 
 def refusal(kind: str, on_gpu: bool, draft_vocab: int, target_vocab: int) -> str | None:
