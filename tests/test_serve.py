@@ -364,10 +364,14 @@ def test_a_draft_the_servers_vllm_would_misread_is_refused_before_the_server_sto
 
 
 def test_an_acceptance_floor_too_high_rolls_back_by_itself(served):
+    """Both floors missed: the one line says both, the speed in figures (a narrow draft is refused for its
+    acceptance and seen for its speed)."""
     train = served.stages["train"]["run_id"]
-    r = served.inv("deploy", train, "--min-acceptance", "3.9", timeout=1200)
+    r = served.inv("deploy", train, "--min-acceptance", "3.9", "--min-speedup", "50", timeout=1200)
     assert r.returncode == 1
-    assert "below deploy.min_acceptance 3.90" in r.stderr and "healthy again with no draft" in r.stderr, r.stderr
+    line = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "below deploy.min_acceptance 3.90; and with the draft the server makes" in line[0], r.stderr
+    assert "below deploy.min_speedup 50.00" in line[0] and "healthy again with no draft" in line[0], r.stderr
     st = served.status()
     assert st["healthy"] and st["draft"] is None
     # a floor no draft can reach is refused before anything is touched

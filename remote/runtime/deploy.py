@@ -313,17 +313,21 @@ def speedups(without, fast):
 
 
 def verdict(live, without, fast, cfg):
-    """Why the draft must go (None: it stays): too few tokens accepted, or a server slower with it."""
+    """Why the draft must go (None: it stays): too few tokens accepted, a server slower with it, or both;
+    every gate it misses is said, and the speed in figures whenever it was measured below its floor (the
+    first concurrency that falls short), so a draft refused for its acceptance is also seen for its speed."""
+    why = []
     if live["acceptance_length"] < cfg["min_acceptance"]:
-        return "live acceptance length %.3f is below deploy.min_acceptance %.2f" % (
-            live["acceptance_length"], cfg["min_acceptance"])
+        why.append("live acceptance length %.3f is below deploy.min_acceptance %.2f" % (
+            live["acceptance_length"], cfg["min_acceptance"]))
     for c, ratio in sorted(speedups(without, fast).items(), key=lambda kv: int(kv[0])):
         if ratio < cfg["min_speedup"]:
-            return ("with the draft the server makes %.1f tokens/s against %.1f without it at %s in flight "
-                    "(%.2fx, below deploy.min_speedup %.2f; acceptance length %.3f)" % (
-                        fast[c]["tokens_per_s"], without[c]["tokens_per_s"], c, ratio, cfg["min_speedup"],
-                        live["acceptance_length"]))
-    return None
+            why.append("with the draft the server makes %.1f tokens/s against %.1f without it at %s in flight "
+                       "(%.2fx, below deploy.min_speedup %.2f%s)" % (
+                           fast[c]["tokens_per_s"], without[c]["tokens_per_s"], c, ratio, cfg["min_speedup"],
+                           "" if why else "; acceptance length %.3f" % live["acceptance_length"]))
+            break
+    return "; and ".join(why) or None
 
 
 def switch_back(service, code_dir, previous, was_running, why):
