@@ -172,26 +172,7 @@ def main() -> int:
                       f"{m['tokens_per_s']:7.2f} tokens/s ({m['tokens']} tokens in {m['seconds']:.1f} s)"
                       + (f"  acceptance length {acc:.3f}" if acc else ""), flush=True)
 
-    ok = True
-    results = {}
-    if rows:
-        print()
-        print(f"{'category':12s} {'without':>9s} {'with':>9s} {'speedup':>8s} {'acceptance':>10s}  verdict")
-    for cat in categories if rows else ():
-        a = [x["tokens_per_s"] for x in rows if x["phase"] == "A" and x["category"] == cat]
-        b = [x for x in rows if x["phase"] == "B" and x["category"] == cat]
-        speedup = (sum(x["tokens_per_s"] for x in b) / len(b)) / (sum(a) / len(a))
-        accs = [x["acceptance_length"] for x in b if x["acceptance_length"]]
-        acceptance = sum(accs) / len(accs) if accs else 0.0
-        bar_acc, bar_speed = BARS["held-out" if cat == "held-out" else "other"]
-        good = acceptance >= bar_acc and speedup >= bar_speed
-        ok &= good or args.quick
-        results[cat] = {"speedup": round(speedup, 3), "acceptance_length": round(acceptance, 3)}
-        print(f"{cat:12s} {sum(a) / len(a):9.2f} {sum(x['tokens_per_s'] for x in b) / len(b):9.2f} {speedup:7.3f}x "
-              f"{acceptance:10.3f}  {'-' if args.quick else 'PASS' if good else 'FAIL'} (bars: acceptance >= {bar_acc}, speedup >= {bar_speed}x)")
-    record("serve", [(f"{cat} acceptance / speedup, batch 1", f"{r['acceptance_length']:.3f} / {r['speedup']:.3f}x",
-                      "held-out >= 2.0 / 1.5x" if cat == "held-out" else ">= 1.6 / 1.15x") for cat, r in results.items()],
-           args.quick)
+    ok = judged(categories, rows, args.quick) if rows else True
     if args.narrow:
         ok &= narrow_draft_is_rolled_back(args, without_draft, status)
     if not args.keep_draft:
@@ -203,7 +184,31 @@ def main() -> int:
     return 0 if ok else 1
 
 
-#: the one template the narrow draft is trained on (60 of the shipped chat prompts)
+def judged(categories: dict, rows: list, quick: bool) -> bool:
+    """The A B rows side by side per category: tokens/s without and with the draft, the speedup and the
+    acceptance length against their bars, printed and recorded; False when a bar is missed (never in quick)."""
+    ok, results = True, {}
+    print()
+    print(f"{'category':12s} {'without':>9s} {'with':>9s} {'speedup':>8s} {'acceptance':>10s}  verdict")
+    for cat in categories:
+        a = [x["tokens_per_s"] for x in rows if x["phase"] == "A" and x["category"] == cat]
+        b = [x for x in rows if x["phase"] == "B" and x["category"] == cat]
+        speedup = (sum(x["tokens_per_s"] for x in b) / len(b)) / (sum(a) / len(a))
+        accs = [x["acceptance_length"] for x in b if x["acceptance_length"]]
+        acceptance = sum(accs) / len(accs) if accs else 0.0
+        bar_acc, bar_speed = BARS["held-out" if cat == "held-out" else "other"]
+        good = acceptance >= bar_acc and speedup >= bar_speed
+        ok &= good or quick
+        results[cat] = {"speedup": round(speedup, 3), "acceptance_length": round(acceptance, 3)}
+        print(f"{cat:12s} {sum(a) / len(a):9.2f} {sum(x['tokens_per_s'] for x in b) / len(b):9.2f} {speedup:7.3f}x "
+              f"{acceptance:10.3f}  {'-' if quick else 'PASS' if good else 'FAIL'} (bars: acceptance >= {bar_acc}, speedup >= {bar_speed}x)")
+    record("serve", [(f"{cat} acceptance / speedup, batch 1", f"{r['acceptance_length']:.3f} / {r['speedup']:.3f}x",
+                      "held-out >= 2.0 / 1.5x" if cat == "held-out" else ">= 1.6 / 1.15x") for cat, r in results.items()],
+           quick)
+    return ok
+
+
+#: the one template the narrow draft is trained on (the haikus among the shipped chat prompts)
 NARROW_TEMPLATE = "Write a haiku about "
 
 
@@ -219,14 +224,16 @@ def narrow_draft_is_rolled_back(args, without_draft, status) -> bool:
     (tmp / "haikus.jsonl").write_text("\n".join(haikus) + "\n")
     inv_doc = yaml.safe_load(Path(args.inventory).read_text())
     host = inv_doc["hosts"][args.hosts]
+    heldout = 8
+    samples = len(haikus) - heldout
     host["pipeline"] = {**(host.get("pipeline") or {}), "dataset": str(tmp / "haikus.jsonl"),
-                        "samples": len(haikus) - 8, "heldout": 8, "epochs": 3, "val_fraction": 0.05}
+                        "samples": samples, "heldout": heldout, "epochs": 3, "val_fraction": 0.05}
     narrow_inv = tmp / "inventory.yaml"
     narrow_inv.write_text(yaml.safe_dump(inv_doc, sort_keys=False))
     t = time.perf_counter()
     done = json.loads(inv("pipeline", "--hosts", args.hosts, "--json", inventory=str(narrow_inv)).stdout)[args.hosts]
     train = next(s["run_id"] for s in done if s["stage"] == "train")
-    print(f"narrow draft: {len(haikus) - 8} haiku prompts, train run {train} ({time.perf_counter() - t:.0f} s)")
+    print(f"narrow draft: {samples} haiku prompts, train run {train} ({time.perf_counter() - t:.0f} s)")
     without_draft()
     before = status()
     r = inv("deploy", train, "--hosts", args.hosts, inventory=args.inventory, check=False)
@@ -237,7 +244,7 @@ def narrow_draft_is_rolled_back(args, without_draft, status) -> bool:
     print(f"narrow draft deployed: exit {r.returncode}: {line or r.stdout.strip()[-300:]}")
     print(f"{'narrow draft rolled back for its speed':45s} {str(good):>9s}  {'PASS' if good else 'FAIL'}")
     said = line.removeprefix("error:").strip().replace("|", "/") if line else f"exit {r.returncode}, kept"
-    record("serve", [(f"narrow draft ({len(haikus) - 8} haiku prompts, run {train}) deployed with the inventory's gates",
+    record("serve", [(f"narrow draft ({samples} haiku prompts, run {train}) deployed with the inventory's gates",
                       f"{'rolled back' if good else 'NOT rolled back for its speed'}: {said}",
                       "rolled back for its speed, both figures said")], args.quick)
     return good
