@@ -299,19 +299,18 @@ def restart(service, code_dir, timeout=None, say=print):
 # the managed server process itself
 
 def server_argv(config, model_path, draft, accelerator, native_bf16=True):
-    """The managed server's command line. On a host without an accelerator: eager and one process
-    (common.vllm_cpu_args) unless the inventory's args say otherwise, and, with a draft, on a CPU that only emulates
+    """The managed server's command line. On a host without an accelerator: eager (no torch.compile
+    warm-up) unless the inventory's args say otherwise, and, with a draft, on a CPU that only emulates
     bf16, ``--dtype float32`` unless they give a dtype: a step's verify pass runs k + 1 tokens through the
     target, which emulated bf16 makes nearly k + 1 times as costly as one token, float32 not (without a
     draft emulated bf16 is the faster; bench/results.md has the figures)."""
-    from stages import common  # noqa: PLC0415 - the stages' vLLM rules (stdlib only at import)
-
     v = config["vllm"]
     args = list(v.get("args") or [])
     argv = [config["python"], "-m", SERVER_MODULE, "--model", model_path, "--host", v.get("host", "127.0.0.1"),
             "--port", str(v.get("port", 8000))]
     given = {a.split("=", 1)[0] for a in args}
-    argv += common.vllm_cpu_args(args, accelerator)  # eager, and the runner in the engine's process
+    if not accelerator and not {"--enforce-eager", "--no-enforce-eager"} & given:
+        argv.append("--enforce-eager")  # no torch.compile warm-up on a CPU unless asked for
     if draft and not accelerator and not native_bf16 and "--dtype" not in given:
         argv += ["--dtype", "float32"]
     if (config.get("model") or {}).get("trust_remote_code") and "--trust-remote-code" not in args:

@@ -277,27 +277,6 @@ def vllm_cpu_env(env: dict, accelerator: bool) -> dict:
     return env
 
 
-#: flags that size or place vLLM's workers: given any, the server's executor is left to vLLM
-_PARALLEL_FLAGS = {"--distributed-executor-backend", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size",
-                   "-pp", "--data-parallel-size", "-dp"}
-
-
-def vllm_cpu_args(given: list[str], accelerator: bool) -> list[str]:
-    """The arguments a vLLM server on a host without an accelerator gets unless ``given`` (its own
-    arguments) says otherwise: ``--enforce-eager`` (no torch.compile warm-up; compiled was not faster
-    with a draft, bench/results.md) and ``--distributed-executor-backend uni``, the model runner in the
-    engine's own process. vLLM's default there is a worker process that the engine loop waits on by
-    spinning (``sched_yield``); on two cores that spin takes the runner's core, and a draft adds round
-    trips to every step, so the draft paid for it most (bench/results.md)."""
-    if accelerator:
-        return []
-    names = {a.split("=", 1)[0] for a in given}
-    args = [] if {"--enforce-eager", "--no-enforce-eager"} & names else ["--enforce-eager"]
-    if not _PARALLEL_FLAGS & names:
-        args += ["--distributed-executor-backend", "uni"]
-    return args
-
-
 def vllm_dtype(cfg: Settings, accelerator: bool) -> str | None:
     """The dtype a current-generation stage computes in, for vLLM's ``--dtype`` and speculators'
     ``--hidden-states-dtype``: ``pipeline.dtype`` when set; auto is float32 on a CPU without native bf16,

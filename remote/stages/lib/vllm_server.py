@@ -67,8 +67,8 @@ class VllmServer:
                      "--disable-uvicorn-access-log", *extra_args]
         if _accelerator():
             self.argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-        else:  # eager, and the runner in the engine's process (one unless tensor parallel)
-            self.argv += common.vllm_cpu_args(list(extra_args) if tensor_parallel == 1 else ["--tensor-parallel-size"], False)
+        else:
+            self.argv += ["--enforce-eager"]
         if dtype:
             self.argv += ["--dtype", dtype]
         if trust_remote_code:
