@@ -581,6 +581,7 @@ def test_serve_bench_quick(served):
         assert re.search(rf"^round 1 B \(draft\) {cat} +[\d.]+ tokens/s .*acceptance length [\d.]+", out, re.M), out
         measured += 1
     assert measured >= 2, out
+    assert re.search(r"^held-out .*; each round [\d.]+x\)$", out, re.M), out  # one round: its own speedup
     assert "deploy --rollback: healthy, no draft" in out and "True" in out.splitlines()[-1], out
     st = served.status()
     assert st["healthy"] and st["draft"] is None
